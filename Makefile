@@ -1,0 +1,35 @@
+# hydra-ddp: `make help` lists the targets.
+PYTHON ?= python3
+VENV := .venv
+PY := $(VENV)/bin/python
+TORCHRUN := $(VENV)/bin/torchrun
+STAMP := $(VENV)/.installed-stamp
+# A few steps on synthetic data, for the smoke runs.
+SMOKE := data=synthetic data.num_samples=256 data.num_val_samples=64 data.batch_size=16 trainer.max_epochs=1 trainer.limit_train_batches=5 trainer.log_every_n_steps=1
+
+.DEFAULT_GOAL := help
+.PHONY: help install train test smoke-test tensorboard
+
+help: ## List the targets
+	@grep -E '^[a-z-]+:.*## ' $(MAKEFILE_LIST) | awk -F':.*## ' '{printf "  make %-12s %s\n", $$1, $$2}'
+
+install: $(STAMP) ## Create or update .venv with the pinned dependencies
+
+$(STAMP): pyproject.toml
+	test -x $(PY) || $(PYTHON) -m venv $(VENV)
+	$(PY) -m pip install --quiet -e '.[test]'
+	touch $@
+
+train: install ## Train the default run (small_cnn on digits, one device); prints the run dir and metrics
+	$(PY) train.py
+
+test: install ## Run the whole test suite (CPU, gloo, real torchrun processes)
+	$(PY) -m pytest -q
+
+smoke-test: install ## Three short CPU runs: single, dp, and torchrun ddp with SyncBN on 2 processes
+	$(PY) train.py strategy=single $(SMOKE)
+	$(PY) train.py strategy=dp $(SMOKE)
+	$(TORCHRUN) --nproc_per_node=2 train.py strategy=ddp syncbn=true $(SMOKE)
+
+tensorboard: install ## Serve outputs/ on http://127.0.0.1:6006
+	$(VENV)/bin/tensorboard --logdir outputs --host 127.0.0.1 --port 6006

@@ -1,0 +1,200 @@
+"""Typed config schemas (registered in Hydra's ConfigStore) and the startup checks Hydra can't express."""
+
+import dataclasses
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from hydra.core.config_store import ConfigStore
+from omegaconf import MISSING, DictConfig, OmegaConf
+
+
+class ConfigError(ValueError):
+    """A user-facing config mistake; printed as one line, no traceback."""
+
+
+@dataclass
+class StrategyConfig:
+    name: str = MISSING  # single | dp | ddp, set by the strategy/<name>.yaml option
+    timeout_s: float = 1800.0  # process-group timeout; a rank stuck in a collective fails after this
+    bucket_cap_mb: float = 25.0  # DDP gradient bucket size
+    find_unused_parameters: bool = False  # only needed for models with conditional branches
+
+
+@dataclass
+class ModelConfig:
+    _target_: str = MISSING  # called with num_classes= and in_channels= taken from the data
+
+
+@dataclass
+class SmallCNNConfig(ModelConfig):
+    channels: list[int] = field(default_factory=lambda: [32, 64, 128])
+    dropout: float = 0.0
+
+
+@dataclass
+class ResNet18Config(ModelConfig):
+    small_input: bool = True  # 3x3 stem without max-pool, for images of 32 px or less
+
+
+@dataclass
+class DataConfig:
+    _target_: str = MISSING  # returns a data.DataSplits; gets every key below except the loader keys
+    batch_size: int = 32  # per process; the global batch is batch_size * world_size
+    num_workers: int = 0
+
+
+# Keys of DataConfig that configure the DataLoader rather than the dataset.
+LOADER_KEYS = ("batch_size", "num_workers")
+
+
+@dataclass
+class DigitsDataConfig(DataConfig):
+    val_fraction: float = 0.2
+    split_seed: int = 0  # the train/val split is fixed by this, independent of `seed`
+
+
+@dataclass
+class SyntheticDataConfig(DataConfig):
+    num_samples: int = 1024
+    num_val_samples: int = 256
+    image_size: int = 16
+    num_classes: int = 10
+    channels: int = 3
+    data_seed: int = 0
+
+
+@dataclass
+class ImageFolderDataConfig(DataConfig):
+    root: str = MISSING  # holds train/<class>/*.jpg and val/<class>/*.jpg
+    image_size: int = 224
+
+
+@dataclass
+class Cifar10DataConfig(DataConfig):
+    root: str = "datasets/cifar10"
+    download: bool = False
+
+
+@dataclass
+class OptimConfig:
+    _target_: str = MISSING  # a torch.optim class; gets params= and the keys below
+    lr: float = MISSING
+
+
+@dataclass
+class SGDConfig(OptimConfig):
+    momentum: float = 0.9
+    weight_decay: float = 0.0
+    nesterov: bool = False
+
+
+@dataclass
+class AdamConfig(OptimConfig):
+    weight_decay: float = 0.0
+
+
+@dataclass
+class TrainerConfig:
+    max_epochs: int = 10
+    max_steps: int = -1  # -1: no limit; otherwise stop after this many optimizer steps
+    log_every_n_steps: int = 10
+    val_every_n_epochs: int = 1
+    limit_train_batches: int = -1  # -1: all; for smoke runs
+    limit_val_batches: int = -1  # -1: all; a limit makes validation inexact
+    warmup_steps: int = 3  # steps left out of the steady-state samples/s
+
+
+@dataclass
+class TrainConfig:
+    strategy: StrategyConfig = MISSING
+    model: ModelConfig = MISSING
+    data: DataConfig = MISSING
+    optim: OptimConfig = MISSING
+    trainer: TrainerConfig = field(default_factory=TrainerConfig)
+    backend: str = "auto"  # auto | nccl | gloo; auto is nccl when CUDA is available, else gloo
+    syncbn: bool = False  # synchronize BatchNorm statistics across ranks (strategy=ddp)
+    seed: int = 0
+
+
+SCHEMAS = {
+    "strategy": {"single": StrategyConfig, "dp": StrategyConfig, "ddp": StrategyConfig},
+    "model": {"small_cnn": SmallCNNConfig, "resnet18": ResNet18Config},
+    "data": {
+        "digits": DigitsDataConfig,
+        "synthetic": SyntheticDataConfig,
+        "imagefolder": ImageFolderDataConfig,
+        "cifar10": Cifar10DataConfig,
+    },
+    "optim": {"sgd": SGDConfig, "adam": AdamConfig, "adamw": AdamConfig},
+}
+
+
+def register_configs() -> None:
+    """Register the schemas; conf/<group>/<option>.yaml starts from `/schema/<group>/<option>@_here_`."""
+    cs = ConfigStore.instance()
+    cs.store(name="train", group="schema", node=TrainConfig)
+    for group, schemas in SCHEMAS.items():
+        for option, schema in schemas.items():
+            cs.store(group=f"schema/{group}", name=option, node=schema)
+
+
+STRATEGIES = ("single", "dp", "ddp")
+BACKENDS = ("auto", "nccl", "gloo")
+
+
+def _check(ok: bool, message: str) -> None:
+    if not ok:
+        raise ConfigError(message)
+
+
+def _unknown_keys(node: DictConfig, prefix: str = "") -> list[str]:
+    """Keys that no schema declares. Hydra lets `+key=value` add them even to structured configs."""
+    schema = OmegaConf.get_type(node)
+    known = {f.name for f in dataclasses.fields(schema)} if dataclasses.is_dataclass(schema) else set(node)
+    unknown = [prefix + str(key) for key in node if key not in known]
+    for key in known & set(node):
+        child = node._get_node(key)
+        if isinstance(child, DictConfig) and not child._is_missing():
+            unknown += _unknown_keys(child, f"{prefix}{key}.")
+    return unknown
+
+
+def validate(cfg: Any, *, under_torchrun: bool, world_size: int) -> None:
+    """Check what the schema's types can't, before anything is started or written."""
+    for key in _unknown_keys(cfg):
+        raise ConfigError(f"{key}: unknown key; check the spelling (`python train.py --cfg job` lists the keys)")
+    for key in sorted(OmegaConf.missing_keys(cfg)):
+        raise ConfigError(f"{key} is required: pass {key}=<value> on the command line")
+    strategy = cfg.strategy.name
+    _check(strategy in STRATEGIES, f"strategy.name={strategy}: unknown, use one of {', '.join(STRATEGIES)}")
+    _check(cfg.backend in BACKENDS, f"backend={cfg.backend}: unknown, use one of {', '.join(BACKENDS)}")
+    _check(cfg.data.batch_size > 0, f"data.batch_size={cfg.data.batch_size}: must be > 0 (it is per process), e.g. data.batch_size=32")
+    _check(cfg.data.num_workers >= 0, f"data.num_workers={cfg.data.num_workers}: must be >= 0")
+    _check(cfg.optim.lr > 0, f"optim.lr={cfg.optim.lr}: must be > 0, e.g. optim.lr=0.01")
+    _check(cfg.strategy.timeout_s > 0, f"strategy.timeout_s={cfg.strategy.timeout_s}: must be > 0")
+    trainer = cfg.trainer
+    _check(trainer.max_epochs >= 1, f"trainer.max_epochs={trainer.max_epochs}: must be >= 1")
+    for key in ("max_steps", "limit_train_batches", "limit_val_batches"):
+        value = trainer[key]
+        _check(value == -1 or value >= 1, f"trainer.{key}={value}: must be -1 (no limit) or >= 1")
+    for key in ("log_every_n_steps", "val_every_n_epochs"):
+        _check(trainer[key] >= 1, f"trainer.{key}={trainer[key]}: must be >= 1")
+    _check(trainer.warmup_steps >= 0, f"trainer.warmup_steps={trainer.warmup_steps}: must be >= 0")
+    if strategy == "ddp":
+        _check(
+            under_torchrun,
+            "strategy=ddp needs one process per device: launch it with "
+            "`torchrun --nproc_per_node=N train.py strategy=ddp ...`",
+        )
+    else:
+        _check(
+            world_size == 1,
+            f"strategy={strategy} runs one process, but torchrun started {world_size}: "
+            "use strategy=ddp, or torchrun --nproc_per_node=1",
+        )
+    if cfg.data.get("download", False):
+        _check(world_size == 1, "data.download=true: download with one process first, then launch torchrun with data.download=false")
+    root = cfg.data.get("root")
+    if root is not None and not cfg.data.get("download", False):
+        _check(Path(root).is_dir(), f"data.root={root}: no such directory; point data.root at the dataset's folder")

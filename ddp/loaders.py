@@ -1,0 +1,66 @@
+"""Samplers and DataLoaders: shuffled shards for training, exact unpadded shards for evaluation."""
+
+from collections.abc import Iterator
+
+import torch
+from torch.utils.data import DataLoader, Dataset, DistributedSampler, Sampler
+
+from ddp.env import DistEnv
+
+
+def shard_indices(size: int, world_size: int, rank: int) -> range:
+    """This rank's share of `size` samples, every sample on exactly one rank and none repeated.
+
+    DistributedSampler pads by repeating samples so that all ranks get equal shares; fine for
+    training, wrong for metrics. Here shares differ by at most one sample instead.
+    """
+    return range(rank, size, world_size)
+
+
+class ShardSampler(Sampler[int]):
+    """Sequential sampler over `shard_indices`, for exact evaluation."""
+
+    def __init__(self, size: int, world_size: int, rank: int):
+        self.indices = shard_indices(size, world_size, rank)
+
+    def __iter__(self) -> Iterator[int]:
+        return iter(self.indices)
+
+    def __len__(self) -> int:
+        return len(self.indices)
+
+
+def build_train_loader(dataset: Dataset, data_cfg, env: DistEnv, seed: int, pin_memory: bool) -> DataLoader:
+    """Every strategy shards with DistributedSampler (one replica for single/dp), so the order of
+    samples depends only on the seed and the global batch. Call `sampler.set_epoch(epoch)` and
+    reseed `loader.generator` every epoch."""
+    sampler = DistributedSampler(dataset, num_replicas=env.world_size, rank=env.rank, shuffle=True, seed=seed)
+    return DataLoader(
+        dataset,
+        batch_size=data_cfg.batch_size,
+        sampler=sampler,
+        num_workers=data_cfg.num_workers,
+        pin_memory=pin_memory,
+        persistent_workers=data_cfg.num_workers > 0,
+        # Its own generator, so the loader never draws from the global RNG (see the README on resume).
+        generator=torch.Generator(),
+    )
+
+
+def build_val_loader(dataset: Dataset, data_cfg, env: DistEnv, pin_memory: bool) -> DataLoader:
+    return DataLoader(
+        dataset,
+        batch_size=data_cfg.batch_size,
+        sampler=ShardSampler(len(dataset), env.world_size, env.rank),
+        num_workers=data_cfg.num_workers,
+        pin_memory=pin_memory,
+        persistent_workers=data_cfg.num_workers > 0,
+        generator=torch.Generator(),
+    )
+
+
+def start_epoch(loader: DataLoader, epoch: int, seed: int, rank: int) -> None:
+    """New shuffle order for the epoch, and a loader generator reseeded per (rank, epoch) so that
+    worker seeds and random augmentation don't depend on how many batches came before."""
+    loader.sampler.set_epoch(epoch)
+    loader.generator.manual_seed(seed + 1_000_003 * epoch + rank)

@@ -1,0 +1,64 @@
+"""Starting and stopping the process group."""
+
+import contextlib
+import logging
+from collections.abc import Iterator
+from datetime import timedelta
+
+import torch
+import torch.distributed as dist
+
+from ddp.config import ConfigError
+from ddp.env import DistEnv
+
+log = logging.getLogger(__name__)
+
+
+def resolve_backend(backend: str, cuda_available: bool) -> str:
+    """`auto` is nccl on CUDA and gloo otherwise; nccl without GPUs fails here, not inside torch."""
+    if backend == "auto":
+        return "nccl" if cuda_available else "gloo"
+    if backend == "nccl" and not cuda_available:
+        raise ConfigError("backend=nccl needs CUDA GPUs and none are visible: use backend=gloo or backend=auto")
+    return backend
+
+
+@contextlib.contextmanager
+def process_group(backend: str, env: DistEnv, device: torch.device, timeout_s: float) -> Iterator[None]:
+    """Run the body inside an initialised default process group, destroyed at the end."""
+    if device.type == "cuda":
+        torch.cuda.set_device(device)  # before init, or every rank's NCCL context lands on GPU 0
+    dist.init_process_group(backend, rank=env.rank, world_size=env.world_size, timeout=timedelta(seconds=timeout_s))
+    log.info("process group up: backend=%s rank=%d world_size=%d", backend, env.rank, env.world_size)
+    try:
+        yield
+    except BaseException:
+        # No barrier here: peers may be inside another collective, and a mismatched one would hang.
+        dist.destroy_process_group()
+        raise
+    # The barrier keeps a fast rank from tearing down the group while a peer still uses it.
+    dist.barrier()
+    dist.destroy_process_group()
+
+
+def all_reduce_sum(tensor: torch.Tensor) -> torch.Tensor:
+    """Sum across ranks in place when a process group exists; a no-op for one process."""
+    if dist.is_available() and dist.is_initialized():
+        dist.all_reduce(tensor, op=dist.ReduceOp.SUM)
+    return tensor
+
+
+def replicas_identical(module: torch.nn.Module) -> bool:
+    """Whether every rank holds bit-identical parameters and buffers; True for one process.
+
+    DDP keeps replicas equal only if every rank does the same math; a rank-dependent branch or
+    unsynchronised buffers make them drift silently. Checked once at the end of a run.
+    """
+    if not (dist.is_available() and dist.is_initialized()):
+        return True
+    # float64 holds every float32 and small-int value exactly, so max == min means bit-identical.
+    flat = torch.cat([t.detach().reshape(-1).double() for t in module.state_dict().values()])
+    highest, lowest = flat.clone(), flat.clone()
+    dist.all_reduce(highest, op=dist.ReduceOp.MAX)
+    dist.all_reduce(lowest, op=dist.ReduceOp.MIN)
+    return bool(torch.equal(highest, lowest))

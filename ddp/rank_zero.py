@@ -1,0 +1,54 @@
+"""Output that only rank 0 writes: console logging, TensorBoard events, results.json."""
+
+import json
+import logging
+import os
+from pathlib import Path
+from typing import Any
+
+from torch.utils.tensorboard import SummaryWriter
+from torch.utils.tensorboard.summary import hparams
+
+from ddp.env import DistEnv
+
+
+def quiet_console_on_other_ranks(env: DistEnv) -> None:
+    """Other ranks keep INFO in their own log file but print only warnings, so the console reads as one run."""
+    if env.is_main:
+        return
+    for handler in logging.getLogger().handlers:
+        if isinstance(handler, logging.StreamHandler) and not isinstance(handler, logging.FileHandler):
+            handler.setLevel(logging.WARNING)
+
+
+class RankZeroWriter:
+    """A TensorBoard SummaryWriter on rank 0 and a no-op elsewhere, so other ranks write no event files."""
+
+    def __init__(self, log_dir: Path, env: DistEnv):
+        self.writer = SummaryWriter(log_dir=str(log_dir)) if env.is_main else None
+
+    def add_scalar(self, tag: str, value: float, step: int) -> None:
+        if self.writer is not None:
+            self.writer.add_scalar(tag, value, step)
+
+    def add_hparams(self, hparam_dict: dict[str, Any], metric_dict: dict[str, float], step: int) -> None:
+        """Written into this run's own event dir, unlike SummaryWriter.add_hparams, which opens a
+        timestamped subdir; so every job of a sweep shows as one row of one HParams table."""
+        if self.writer is None:
+            return
+        file_writer = self.writer._get_file_writer()
+        for summary in hparams(hparam_dict, metric_dict):
+            file_writer.add_summary(summary)
+        for tag, value in metric_dict.items():
+            self.writer.add_scalar(tag, value, step)
+
+    def close(self) -> None:
+        if self.writer is not None:
+            self.writer.close()
+
+
+def write_json(data: dict[str, Any], path: Path) -> None:
+    """Written whole or not at all: readers never see half a file."""
+    tmp = path.with_name(f".{path.name}.tmp")
+    tmp.write_text(json.dumps(data, indent=2) + "\n")
+    os.replace(tmp, path)

@@ -1,0 +1,70 @@
+"""One run dir per launch, even under torchrun.
+
+Every torchrun worker runs @hydra.main, and `${now:}` is resolved per process, so ranks started
+a moment apart would land in different timestamped dirs (hydra#2070). Here all ranks of one
+launch agree on the launch time, and so on one dir, which also stays the same when torchrun
+restarts the workers.
+"""
+
+import functools
+import os
+import time
+from datetime import datetime
+from pathlib import Path
+
+from omegaconf import OmegaConf
+
+_STORE_KEY = "hydra_ddp/launch_time"
+
+
+def _agreed_launch_time() -> float:
+    """The launch time of this process's launch, the same on every rank."""
+    now = time.time()
+    if "TORCHELASTIC_RUN_ID" not in os.environ:
+        return now
+    if os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True":
+        # torchrun shares its store with the workers; the first rank to ask sets the value,
+        # and the store outlives worker restarts.
+        from torch.distributed import TCPStore
+
+        store = TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), is_master=False)
+        return float(store.compare_set(_STORE_KEY, "", repr(now)))
+    # Store not shared (TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1): claim a file named after the
+    # run id, which torchrun keeps across restarts.
+    run_id = os.environ["TORCHELASTIC_RUN_ID"]
+    if run_id == "none":
+        raise RuntimeError(
+            "static rendezvous (--master-port) with TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1 gives the ranks no "
+            "shared launch id: pass --rdzv-id=<unique id> to torchrun, or set hydra.run.dir explicitly"
+        )
+    claim = Path("outputs/.launches") / run_id
+    claim.parent.mkdir(parents=True, exist_ok=True)
+    try:
+        fd = os.open(claim, os.O_WRONLY | os.O_CREAT | os.O_EXCL)
+    except FileExistsError:
+        for _ in range(600):
+            text = claim.read_text()
+            if text:
+                return float(text)
+            time.sleep(0.05)
+        raise RuntimeError(f"{claim}: still empty after 30 s; remove it and relaunch")
+    tmp = claim.with_suffix(".tmp")
+    tmp.write_text(repr(now))
+    os.replace(tmp, claim)
+    os.close(fd)
+    return now
+
+
+@functools.cache
+def launch_time() -> float:
+    return _agreed_launch_time()
+
+
+def register_resolvers() -> None:
+    """`${launch_time:FORMAT}` for run and sweep dirs; `${rank_zero_only:VALUE}` is null on other ranks."""
+    OmegaConf.register_new_resolver(
+        "launch_time", lambda fmt: datetime.fromtimestamp(launch_time()).strftime(fmt), replace=True
+    )
+    OmegaConf.register_new_resolver(
+        "rank_zero_only", lambda value: value if os.environ.get("RANK", "0") == "0" else None, replace=True
+    )

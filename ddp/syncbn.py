@@ -1,0 +1,138 @@
+"""Synchronized BatchNorm that also works on CPU with the gloo backend.
+
+torch's ``nn.SyncBatchNorm`` is CUDA-only: its training forward raises on CPU
+tensors and ``DistributedDataParallel`` rejects CPU modules containing it. So
+this is a separate ``_BatchNorm`` (deliberately *not* an ``nn.SyncBatchNorm``)
+that computes batch statistics over all ranks with plain ``all_reduce`` calls.
+"""
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.nn.modules.batchnorm import _BatchNorm
+
+
+def _reduce_dims(x):
+    return [0, *range(2, x.dim())]  # every dim but the channel dim
+
+
+def _per_channel(t, x):
+    return t.view(1, -1, *([1] * (x.dim() - 2)))  # broadcastable against (N, C, *)
+
+
+def _global_stats(x, group):
+    """Mean, biased variance (float64) and element count per channel over all ranks."""
+    dims = _reduce_dims(x)
+    # One all_reduce for the sums and the count; float64 keeps large counts exact.
+    count = x.new_tensor([x.numel() // x.shape[1]], dtype=torch.float64)
+    stats = torch.cat([x.sum(dims, dtype=torch.float64), count])
+    dist.all_reduce(stats, group=group)
+    count = stats[-1].item()
+    mean = stats[:-1] / count
+    # Second pass over (x - mean) rather than E[x^2] - E[x]^2, which cancels badly.
+    sq = (x - _per_channel(mean.to(x.dtype), x)).pow(2).sum(dims, dtype=torch.float64)
+    dist.all_reduce(sq, group=group)
+    return mean, sq / count, count
+
+
+class _SyncBatchNormFn(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, weight, bias, mean, invstd, count, group):
+        xhat = (x - _per_channel(mean, x)) * _per_channel(invstd, x)
+        y = xhat if weight is None else xhat * _per_channel(weight, x)
+        y = y if bias is None else y + _per_channel(bias, x)
+        ctx.save_for_backward(xhat, invstd, weight)
+        ctx.count, ctx.group, ctx.has_bias = count, group, bias is not None
+        return y
+
+    @staticmethod
+    def backward(ctx, dy):
+        xhat, invstd, weight = ctx.saved_tensors
+        dims = _reduce_dims(dy)
+        sum_dy, sum_dy_xhat = dy.sum(dims), (dy * xhat).sum(dims)
+        dx = None
+        if ctx.needs_input_grad[0]:
+            # The batch stats depend on every rank's input, so dx needs the global sums.
+            sums = torch.cat([sum_dy, sum_dy_xhat])
+            dist.all_reduce(sums, group=ctx.group)
+            g_dy, g_dy_xhat = (s / ctx.count for s in sums.chunk(2))
+            scale = invstd if weight is None else invstd * weight
+            dx = (dy - _per_channel(g_dy, dy) - xhat * _per_channel(g_dy_xhat, dy)) * _per_channel(scale, dy)
+        # Parameter grads stay local: DistributedDataParallel averages them across ranks.
+        dw = sum_dy_xhat if weight is not None and ctx.needs_input_grad[1] else None
+        db = sum_dy if ctx.has_bias and ctx.needs_input_grad[2] else None
+        return dx, dw, db, None, None, None, None
+
+
+class CPUSyncBatchNorm(_BatchNorm):
+    """BatchNorm over (N, C, *) whose training statistics span all ranks of ``process_group``.
+
+    Outside training, or without an initialized multi-rank process group, it is
+    exactly ``nn.BatchNorm*d``.
+    """
+
+    def __init__(self, num_features, eps=1e-5, momentum=0.1, affine=True, track_running_stats=True,
+                 process_group=None, device=None, dtype=None, *, bias=True):
+        super().__init__(num_features, eps, momentum, affine, track_running_stats, device, dtype, bias=bias)
+        self.process_group = process_group  # None means the default (WORLD) group
+
+    def _check_input_dim(self, input):
+        if input.dim() < 2:
+            raise ValueError(f"expected at least 2D input (got {input.dim()}D input)")
+
+    def forward(self, input):
+        self._check_input_dim(input)
+        if not (self.training and dist.is_available() and dist.is_initialized()
+                and dist.get_world_size(self.process_group) > 1):
+            return super().forward(input)
+
+        # Same momentum handling as _BatchNorm.forward (momentum=None: cumulative average).
+        factor = 0.0
+        if self.track_running_stats:
+            self.num_batches_tracked.add_(1)
+            factor = 1.0 / float(self.num_batches_tracked) if self.momentum is None else self.momentum
+
+        mean, var, count = _global_stats(input.detach(), self.process_group)
+        if count <= 1:
+            raise ValueError(f"Expected more than 1 value per channel when training, got {count:g}")
+        if self.track_running_stats:
+            with torch.no_grad():
+                unbiased = var * count / (count - 1)
+                self.running_mean.mul_(1 - factor).add_(mean.to(self.running_mean.dtype), alpha=factor)
+                self.running_var.mul_(1 - factor).add_(unbiased.to(self.running_var.dtype), alpha=factor)
+        invstd = torch.rsqrt(var + self.eps).to(input.dtype)
+        return _SyncBatchNormFn.apply(input, self.weight, self.bias, mean.to(input.dtype), invstd, count,
+                                      self.process_group)
+
+    @classmethod
+    def convert_sync_batchnorm(cls, module, process_group=None):
+        """Replace every ``BatchNorm*d`` in ``module`` with ``CPUSyncBatchNorm``, sharing its parameters
+        and buffers (same structure as ``nn.SyncBatchNorm.convert_sync_batchnorm``)."""
+        module_output = module
+        if isinstance(module, _BatchNorm) and not isinstance(module, cls):
+            module_output = cls(module.num_features, module.eps, module.momentum, module.affine,
+                                module.track_running_stats, process_group, bias=module.bias is not None)
+            if module.affine:
+                with torch.no_grad():
+                    module_output.weight = module.weight
+                    module_output.bias = module.bias
+            module_output.running_mean = module.running_mean
+            module_output.running_var = module.running_var
+            module_output.num_batches_tracked = module.num_batches_tracked
+            module_output.training = module.training
+            if hasattr(module, "qconfig"):
+                module_output.qconfig = module.qconfig
+        for name, child in module.named_children():
+            module_output.add_module(name, cls.convert_sync_batchnorm(child, process_group))
+        return module_output
+
+
+def convert_syncbn(model: nn.Module, device: torch.device) -> nn.Module:
+    """Make ``model``'s BatchNorm layers synchronize across ranks on ``device``.
+
+    CUDA gets torch's fused ``nn.SyncBatchNorm``; everything else gets
+    ``CPUSyncBatchNorm``, because torch's version (and DDP with it) refuses CPU modules.
+    """
+    if torch.device(device).type == "cuda":
+        return nn.SyncBatchNorm.convert_sync_batchnorm(model)
+    return CPUSyncBatchNorm.convert_sync_batchnorm(model)

@@ -1,0 +1,35 @@
+"""Wrapping the model for the chosen strategy, and unwrapping it for saving and evaluation."""
+
+import logging
+
+import torch
+from torch import nn
+from torch.nn.parallel import DistributedDataParallel
+
+from ddp.env import DistEnv
+
+log = logging.getLogger(__name__)
+
+
+def wrap_model(model: nn.Module, strategy_cfg, env: DistEnv, device: torch.device) -> nn.Module:
+    """single: the model itself; dp: nn.DataParallel over the visible GPUs; ddp: DistributedDataParallel."""
+    name = strategy_cfg.name
+    if name == "single":
+        return model
+    if name == "dp":
+        if device.type != "cuda":
+            log.warning("strategy=dp: no CUDA GPUs visible, so DataParallel runs one replica on CPU")
+        return nn.DataParallel(model)
+    return DistributedDataParallel(
+        model,
+        device_ids=[env.local_rank] if device.type == "cuda" else None,
+        bucket_cap_mb=strategy_cfg.bucket_cap_mb,
+        find_unused_parameters=strategy_cfg.find_unused_parameters,
+    )
+
+
+def unwrap_model(model: nn.Module) -> nn.Module:
+    """The bare model, whose state_dict has no `module.` prefix and loads into any strategy."""
+    if isinstance(model, (nn.DataParallel, DistributedDataParallel)):
+        return model.module
+    return model
