@@ -1,0 +1,51 @@
+"""Helpers for tests that run train.py for real: as `python` or under `torchrun`, in a tmp dir."""
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parents[1]
+TRAIN = REPO / "train.py"
+TORCHRUN = Path(sys.executable).with_name("torchrun")
+
+# A tiny but real run: synthetic data, a narrow small_cnn, two epochs.
+TINY = [
+    "data=synthetic",
+    "data.num_samples=128",
+    "data.num_val_samples=37",
+    "data.image_size=8",
+    "data.batch_size=8",
+    "model.channels=[8,16]",
+    "trainer.max_epochs=2",
+    "trainer.log_every_n_steps=2",
+]
+
+
+def launch(args: list[str], cwd: Path, nproc: int | None = None, env: dict | None = None, timeout: float = 180):
+    """Run train.py with `args` in `cwd` (so outputs/ lands there); under torchrun when nproc is given."""
+    if nproc is None:
+        command = [sys.executable, str(TRAIN), *args]
+    else:
+        command = [str(TORCHRUN), f"--nproc_per_node={nproc}", str(TRAIN), *args]
+    clean = {k: v for k, v in os.environ.items() if k not in ("RANK", "LOCAL_RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")}
+    return subprocess.run(
+        command, cwd=cwd, env=clean | {"PYTHONUNBUFFERED": "1"} | (env or {}),
+        capture_output=True, text=True, timeout=timeout,
+    )
+
+
+def check(result) -> None:
+    assert result.returncode == 0, f"exit {result.returncode}\nstdout:\n{result.stdout[-4000:]}\nstderr:\n{result.stderr[-6000:]}"
+
+
+def run_dirs(cwd: Path) -> list[Path]:
+    """Every run dir under cwd/outputs (a run dir is one that holds train_rank*.log)."""
+    return sorted({log.parent for log in (cwd / "outputs").rglob("train_rank*.log")})
+
+
+@pytest.fixture(scope="session")
+def repo() -> Path:
+    return REPO

@@ -1,0 +1,193 @@
+"""CPUSyncBatchNorm against plain BatchNorm, with real gloo processes (no mocks).
+
+One pair of spawned ranks runs every distributed scenario (spawning costs a few
+seconds); each rank saves its results and the tests below assert in this process.
+"""
+
+import copy
+import socket
+from datetime import timedelta
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+from torch import nn
+from torch.nn.parallel import DistributedDataParallel as DDP
+
+from ddp.syncbn import CPUSyncBatchNorm, convert_syncbn
+
+WORLD = 2
+STEPS = 3
+# name -> (per-rank batch sizes, BatchNorm kwargs)
+PARITY_CASES = {
+    "equal_split": ((8, 8), dict(momentum=0.1)),
+    "unequal_split_cumulative": ((5, 11), dict(momentum=None, eps=1e-3)),
+    "no_affine_no_running_stats": ((6, 4), dict(affine=False, track_running_stats=False)),
+}
+
+
+def _batch(step, n):
+    """Input and loss weights for one step; the same in every process."""
+    g = torch.Generator().manual_seed(1000 + step)
+    return torch.randn(n, 3, 5, 5, generator=g) * 2 + 1, torch.randn(n, 3, 5, 5, generator=g)
+
+
+def _make_bn(cls, **kwargs):
+    bn = cls(3, **kwargs)
+    if bn.affine:  # non-trivial affine params so their grads and use are checked
+        g = torch.Generator().manual_seed(7)
+        with torch.no_grad():
+            bn.weight.copy_(torch.rand(3, generator=g) + 0.5)
+            bn.bias.copy_(torch.randn(3, generator=g))
+    return bn
+
+
+def _ddp_model():
+    torch.manual_seed(0)
+    return nn.Sequential(
+        nn.Conv2d(3, 4, 3, padding=1), nn.BatchNorm2d(4), nn.ReLU(),
+        nn.Flatten(), nn.Linear(4 * 5 * 5, 6), nn.BatchNorm1d(6),
+    )
+
+
+def _ddp_batch(rank):
+    g = torch.Generator().manual_seed(50 + rank)
+    return torch.randn(4, 3, 5, 5, generator=g) * (1 + rank) + rank  # ranks see different data
+
+
+def _run_parity(rank, split, kwargs):
+    bn = _make_bn(CPUSyncBatchNorm, **kwargs).train()
+    lo, hi = sum(split[:rank]), sum(split[: rank + 1])
+    steps = []
+    for step in range(STEPS):
+        x, w = _batch(step, sum(split))
+        x = x[lo:hi].clone().requires_grad_()
+        bn.zero_grad(set_to_none=True)
+        y = bn(x)
+        (y * w[lo:hi]).sum().backward()
+        out = {"y": y.detach(), "dx": x.grad}
+        if bn.affine:  # local param grads; summed over ranks they match the full-batch grads
+            for name in ("weight", "bias"):
+                grad = getattr(bn, name).grad.clone()
+                dist.all_reduce(grad)
+                out["d" + name] = grad
+        steps.append(out)
+    return {"steps": steps, "buffers": {k: v.clone() for k, v in bn.named_buffers()}}
+
+
+def _run_ddp(rank):
+    model = DDP(convert_syncbn(_ddp_model(), torch.device("cpu")), broadcast_buffers=False)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    for _ in range(2):
+        opt.zero_grad()
+        model(_ddp_batch(rank)).square().mean().backward()
+        opt.step()
+    return {
+        "types": [type(m).__name__ for m in model.module],
+        "state": {k: v.clone() for k, v in model.module.state_dict().items()},
+    }
+
+
+def _worker(rank, port, out_dir):
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank,
+                            world_size=WORLD, timeout=timedelta(seconds=60))
+    try:
+        results = {name: _run_parity(rank, split, kw) for name, (split, kw) in PARITY_CASES.items()}
+        results["ddp"] = _run_ddp(rank)
+        torch.save(results, f"{out_dir}/rank{rank}.pt")
+    finally:
+        dist.destroy_process_group()
+
+
+def _free_port():
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.fixture(scope="module")
+def ranks(tmp_path_factory):
+    out_dir = tmp_path_factory.mktemp("syncbn")
+    mp.spawn(_worker, args=(_free_port(), str(out_dir)), nprocs=WORLD, join=True)
+    return [torch.load(out_dir / f"rank{r}.pt") for r in range(WORLD)]
+
+
+@pytest.mark.parametrize("case", PARITY_CASES)
+def test_matches_batchnorm_on_the_full_batch(ranks, case):
+    split, kwargs = PARITY_CASES[case]
+    ref = _make_bn(nn.BatchNorm2d, **kwargs).train()
+    bounds = [(sum(split[:r]), sum(split[: r + 1])) for r in range(WORLD)]
+    for step in range(STEPS):
+        x, w = _batch(step, sum(split))
+        x.requires_grad_()
+        ref.zero_grad(set_to_none=True)
+        y = ref(x)
+        (y * w).sum().backward()
+        for r, (lo, hi) in enumerate(bounds):
+            got = ranks[r][case]["steps"][step]
+            torch.testing.assert_close(got["y"], y.detach()[lo:hi])
+            torch.testing.assert_close(got["dx"], x.grad[lo:hi])
+            if ref.affine:
+                torch.testing.assert_close(got["dweight"], ref.weight.grad)
+                torch.testing.assert_close(got["dbias"], ref.bias.grad)
+    for r in range(WORLD):
+        buffers = ranks[r][case]["buffers"]
+        assert buffers.keys() == dict(ref.named_buffers()).keys()
+        for name, value in ref.named_buffers():
+            torch.testing.assert_close(buffers[name], value)
+
+
+def test_ddp_on_cpu_trains_and_keeps_ranks_identical(ranks):
+    assert ranks[0]["ddp"]["types"].count("CPUSyncBatchNorm") == 2
+    states = [r["ddp"]["state"] for r in ranks]
+    assert states[0].keys() == states[1].keys()
+    for name in states[0]:
+        # Buffers are not broadcast (broadcast_buffers=False): equal only if BN really synced.
+        assert torch.equal(states[0][name], states[1][name]), name
+    assert states[0]["1.num_batches_tracked"].item() == 2
+
+    # The 2-rank run equals one process training on both ranks' data together.
+    ref = _ddp_model()
+    opt = torch.optim.SGD(ref.parameters(), lr=0.1)
+    x = torch.cat([_ddp_batch(r) for r in range(WORLD)])
+    for _ in range(2):
+        opt.zero_grad()
+        ref(x).square().mean().backward()
+        opt.step()
+    for name, value in ref.state_dict().items():
+        torch.testing.assert_close(states[0][name], value)
+
+
+def test_convert_replaces_batchnorms_and_keeps_behaviour_without_process_group():
+    torch.manual_seed(0)
+    model = nn.Sequential(
+        nn.Conv2d(3, 4, 3), nn.BatchNorm2d(4, eps=1e-3), nn.ReLU(),
+        nn.Flatten(2), nn.BatchNorm1d(4, momentum=None),
+        nn.Sequential(nn.Flatten(), nn.BatchNorm1d(36, affine=False)),
+    )
+    model(torch.randn(6, 3, 5, 5))  # move running stats off their defaults
+    model[5].eval()
+    original = copy.deepcopy(model)
+
+    converted = CPUSyncBatchNorm.convert_sync_batchnorm(model)
+    bns = [m for m in converted.modules() if isinstance(m, nn.modules.batchnorm._BatchNorm)]
+    assert len(bns) == 3 and all(type(m) is CPUSyncBatchNorm for m in bns)
+    assert [m.training for m in bns] == [True, True, False]
+    assert (bns[0].eps, bns[1].momentum, bns[2].affine) == (1e-3, None, False)
+    torch.testing.assert_close(converted.state_dict(), original.state_dict(), rtol=0, atol=0)
+    assert all(p.requires_grad for p in converted.parameters())
+    # Converting again leaves the already-converted layers alone.
+    assert CPUSyncBatchNorm.convert_sync_batchnorm(converted)[1] is bns[0]
+
+    assert not dist.is_initialized() or dist.get_world_size() == 1  # i.e. the non-synced path
+    x = torch.randn(6, 3, 5, 5)
+    for mode in ("train", "eval"):
+        getattr(converted, mode)(), getattr(original, mode)()
+        assert torch.equal(converted(x), original(x)), mode
+        torch.testing.assert_close(converted.state_dict(), original.state_dict(), rtol=0, atol=0)
+
+
+def test_rejects_inputs_without_a_channel_dim():
+    with pytest.raises(ValueError):
+        CPUSyncBatchNorm(3)(torch.randn(3))
