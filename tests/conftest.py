@@ -1,11 +1,13 @@
 """Helpers for tests that run train.py for real: as `python` or under `torchrun`, in a tmp dir."""
 
+import json
 import os
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
+import torch
 
 REPO = Path(__file__).resolve().parents[1]
 TRAIN = REPO / "train.py"
@@ -47,5 +49,28 @@ def run_dirs(cwd: Path) -> list[Path]:
 
 
 @pytest.fixture(scope="session")
-def repo() -> Path:
-    return REPO
+def ddp_run(tmp_path_factory):
+    """2 ranks x batch 8 with SyncBN; 128 samples, so both ranks see 8 equal batches per epoch."""
+    cwd = tmp_path_factory.mktemp("ddp")
+    result = launch(["strategy=ddp", "syncbn=true", *TINY, "data.batch_size=8"], cwd, nproc=2)
+    check(result)
+    return cwd, result
+
+
+@pytest.fixture(scope="session")
+def single_run(tmp_path_factory):
+    """The same training as ddp_run in one process with the global batch of 16."""
+    cwd = tmp_path_factory.mktemp("single")
+    result = launch(["strategy=single", *TINY, "data.batch_size=16"], cwd)
+    check(result)
+    return cwd, result
+
+
+def load_last(cwd):
+    (run_dir,) = run_dirs(cwd)
+    return torch.load(run_dir / "checkpoints" / "last.pt", weights_only=True)
+
+
+def load_results(cwd):
+    (run_dir,) = run_dirs(cwd)
+    return json.loads((run_dir / "results.json").read_text())

@@ -10,37 +10,9 @@ import pytest
 import torch
 from torch import nn
 
-from conftest import REPO, TINY, TORCHRUN, check, launch, run_dirs
+from conftest import REPO, TINY, TORCHRUN, check, launch, load_last, load_results, run_dirs
 from ddp.wrap import unwrap_model
 from models.small_cnn import SmallCNN
-
-
-@pytest.fixture(scope="module")
-def ddp_run(tmp_path_factory):
-    """2 ranks x batch 8 with SyncBN; 128 samples, so both ranks see 8 equal batches per epoch."""
-    cwd = tmp_path_factory.mktemp("ddp")
-    result = launch(["strategy=ddp", "syncbn=true", *TINY, "data.batch_size=8"], cwd, nproc=2)
-    check(result)
-    return cwd, result
-
-
-@pytest.fixture(scope="module")
-def single_run(tmp_path_factory):
-    """The same training as ddp_run in one process with the global batch of 16."""
-    cwd = tmp_path_factory.mktemp("single")
-    result = launch(["strategy=single", *TINY, "data.batch_size=16"], cwd)
-    check(result)
-    return cwd, result
-
-
-def load_last(cwd):
-    (run_dir,) = run_dirs(cwd)
-    return torch.load(run_dir / "checkpoints" / "last.pt", weights_only=True)
-
-
-def load_results(cwd):
-    (run_dir,) = run_dirs(cwd)
-    return json.loads((run_dir / "results.json").read_text())
 
 
 def test_two_ranks_match_one_process_with_the_global_batch(ddp_run, single_run):

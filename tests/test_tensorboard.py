@@ -1,0 +1,83 @@
+"""TensorBoard content of a 2-rank run, read back with TensorBoard's own reader and served by its own server."""
+
+import json
+import socket
+import subprocess
+import sys
+import time
+import urllib.parse
+import urllib.request
+from pathlib import Path
+
+import pytest
+from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+from tensorboard.plugins.hparams import plugin_data_pb2
+
+from conftest import load_results, run_dirs
+
+TRAIN_TAGS = {"train/loss", "train/lr", "train/samples_per_s", "train/epoch_time_s"}
+VAL_TAGS = {"val/loss", "val/accuracy"}
+
+
+@pytest.fixture(scope="module")
+def events(ddp_run):
+    (run_dir,) = run_dirs(ddp_run[0])
+    accumulator = EventAccumulator(str(run_dir))
+    accumulator.Reload()
+    return accumulator
+
+
+def test_training_and_validation_scalars(events, ddp_run):
+    tags = set(events.Tags()["scalars"])
+    assert TRAIN_TAGS | VAL_TAGS <= tags
+    loss_steps = [event.step for event in events.Scalars("train/loss")]
+    assert loss_steps == sorted(set(loss_steps)) and loss_steps[-1] == 16
+    assert [event.step for event in events.Scalars("val/accuracy")] == [8, 16]
+    final = load_results(ddp_run[0])
+    assert events.Scalars("val/accuracy")[-1].value == pytest.approx(final["val_accuracy"], rel=1e-6)
+
+
+def test_hparams_are_in_the_run_dir_itself(events, ddp_run):
+    """In the run's own event dir (no timestamped subdir), so a sweep's runs form one HParams table."""
+    (run_dir,) = run_dirs(ddp_run[0])
+    assert [p for p in run_dir.rglob("events.out.tfevents*") if p.parent != run_dir] == []
+    content = events.PluginTagToContent("hparams")
+    start = plugin_data_pb2.HParamsPluginData.FromString(content["_hparams_/session_start_info"]).session_start_info
+    assert start.hparams["strategy"].string_value == "ddp"
+    assert start.hparams["world_size"].number_value == 2
+    assert start.hparams["global_batch_size"].number_value == 16
+    assert start.hparams["syncbn"].number_value == 1  # torch stores bools as numbers
+    experiment = plugin_data_pb2.HParamsPluginData.FromString(content["_hparams_/experiment"]).experiment
+    assert {m.name.tag for m in experiment.metric_infos} >= {"hparam/val_accuracy", "hparam/val_loss", "hparam/train_loss"}
+
+
+def free_port() -> int:
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        return probe.getsockname()[1]
+
+
+def test_tensorboard_server_serves_the_run(ddp_run):
+    (run_dir,) = run_dirs(ddp_run[0])
+    port = free_port()
+    tensorboard = Path(sys.executable).with_name("tensorboard")
+    server = subprocess.Popen(
+        [str(tensorboard), "--logdir", str(run_dir), "--host", "127.0.0.1", "--port", str(port)],
+        stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+    )
+    query = urllib.parse.urlencode({"run": ".", "tag": "val/accuracy"})
+    url = f"http://127.0.0.1:{port}/data/plugin/scalars/scalars?{query}"
+    try:
+        deadline, points = time.monotonic() + 90, None
+        while points is None and time.monotonic() < deadline:
+            try:
+                with urllib.request.urlopen(url, timeout=5) as response:
+                    points = json.load(response)
+            except OSError:
+                time.sleep(0.5)
+        assert points, "tensorboard did not serve val/accuracy"
+        assert points[-1][1] == 16
+        assert points[-1][2] == pytest.approx(load_results(ddp_run[0])["val_accuracy"], rel=1e-6)
+    finally:
+        server.terminate()
+        server.wait(timeout=30)
