@@ -224,7 +224,7 @@ def main(cfg: DictConfig) -> dict:
         results = run(cfg, run_dir)
     except ConfigError as error:
         print(f"error: {error}", file=sys.stderr)
-        sys.exit(2)
+        sys.exit(1)
     if DistEnv.from_environ().is_main:
         log.info("run dir: %s", run_dir)
         log.info("results: %s", {k: round(v, 4) if isinstance(v, float) else v for k, v in results.items()})

@@ -23,8 +23,14 @@ def build_imagefolder(root: str, image_size: int) -> DataSplits:
             transforms.Normalize(_IMAGENET_MEAN, _IMAGENET_STD),
         ]
     )
-    train = datasets.ImageFolder(str(Path(root) / "train"), transform=transform)
-    val = datasets.ImageFolder(str(Path(root) / "val"), transform=transform)
+    try:
+        train = datasets.ImageFolder(str(Path(root) / "train"), transform=transform)
+        val = datasets.ImageFolder(str(Path(root) / "val"), transform=transform)
+    except FileNotFoundError as error:  # no class folders, or no images in them
+        raise ConfigError(f"data.root={root}: {error}") from None
+    if train.classes != val.classes:
+        # Each ImageFolder numbers its own classes; different folders would silently mislabel.
+        raise ConfigError(f"data.root={root}: train/ and val/ hold different class folders ({train.classes} vs {val.classes})")
     return DataSplits(train, val, num_classes=len(train.classes), in_channels=3)
 
 

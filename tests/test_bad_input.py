@@ -1,0 +1,176 @@
+"""Bad command lines fail fast and clearly: a non-zero exit, a message naming the key, no Python
+traceback, and nothing trained or saved (no TensorBoard events, no checkpoint).
+
+Our own checks (ddp/config.py `validate`, `resolve_backend`, the data builders) print exactly one
+line `error: <message>` on stderr and exit 1; Hydra's composition errors are Hydra's own messages.
+"""
+
+import socket
+from pathlib import Path
+
+import pytest
+
+from conftest import TRAIN, launch
+
+# A tiny run where the case allows; a case's own args come after these, and the last override wins.
+QUICK = ["trainer.max_epochs=1", "data=synthetic", "data.num_samples=32", "data.num_val_samples=8"]
+
+
+def _output(result) -> str:
+    return result.stdout + result.stderr
+
+
+def _logs(tmp_path: Path) -> str:
+    return "".join(log.read_text() for log in tmp_path.rglob("train_rank*.log"))
+
+
+def assert_nothing_trained(tmp_path: Path, result) -> None:
+    """No traceback, no training started, no process group, no event file, no checkpoint."""
+    text = _output(result) + _logs(tmp_path)
+    assert "Traceback" not in _output(result), _output(result)
+    assert "process group up" not in text, text
+    assert "global_batch=" not in text, text  # fit()'s first log line: training never began
+    assert not list(tmp_path.rglob("events.out.tfevents*")), "a TensorBoard event file was written"
+    assert not list(tmp_path.rglob("*.pt")), "a checkpoint was written"
+
+
+def _imagefolder_without_splits(tmp: Path) -> Path:
+    root = tmp / "not_an_imagefolder"
+    (root / "images").mkdir(parents=True)
+    return root
+
+
+def _imagefolder_without_val(tmp: Path) -> Path:
+    root = tmp / "train_only"
+    (root / "train" / "cat").mkdir(parents=True)
+    return root
+
+
+def _imagefolder_without_classes(tmp: Path) -> Path:
+    root = tmp / "no_classes"
+    (root / "train").mkdir(parents=True)
+    (root / "val").mkdir()
+    return root
+
+
+def _imagefolder_with_different_classes(tmp: Path) -> Path:
+    from PIL import Image
+
+    root = tmp / "different_classes"
+    for split, classes in (("train", ("cat", "dog")), ("val", ("cat", "eel"))):
+        for name in classes:
+            (root / split / name).mkdir(parents=True)
+            Image.new("RGB", (4, 4)).save(root / split / name / "0.png")
+    return root
+
+
+def _empty_dir(tmp: Path) -> Path:
+    root = tmp / "cifar_empty"
+    root.mkdir()
+    return root
+
+
+# (args, key named in the message, distinctive part(s) of the message, setup); "{tmp}" is tmp_path,
+# and "{dir}" is the folder that the case's setup function makes in tmp_path.
+OUR_ERRORS = {
+    "unknown_top_level_key": (QUICK + ["+typo=1"], "typo", "unknown key", None),
+    "unknown_nested_key": (QUICK + ["+data.typo=1"], "data.typo", "unknown key", None),
+    "nccl_without_cuda": (QUICK + ["backend=nccl"], "backend=nccl", "needs CUDA", None),
+    "unknown_backend": (QUICK + ["backend=foo"], "backend=foo", "unknown, use one of auto, nccl, gloo", None),
+    "zero_batch_size": (QUICK + ["data.batch_size=0"], "data.batch_size=0", "must be > 0", None),
+    "negative_batch_size": (QUICK + ["data.batch_size=-4"], "data.batch_size=-4", "must be > 0", None),
+    "zero_lr": (QUICK + ["optim.lr=0"], "optim.lr=0", "must be > 0", None),
+    "negative_lr": (QUICK + ["optim.lr=-1"], "optim.lr=-1", "must be > 0", None),
+    "negative_num_workers": (QUICK + ["data.num_workers=-1"], "data.num_workers=-1", "must be >= 0", None),
+    "zero_timeout": (QUICK + ["strategy.timeout_s=0"], "strategy.timeout_s=0", "must be > 0", None),
+    "zero_max_epochs": (QUICK + ["trainer.max_epochs=0"], "trainer.max_epochs=0", "must be >= 1", None),
+    "zero_max_steps": (QUICK + ["trainer.max_steps=0"], "trainer.max_steps=0", "must be -1 (no limit) or >= 1", None),
+    "zero_limit_train_batches": (
+        QUICK + ["trainer.limit_train_batches=0"], "trainer.limit_train_batches=0", "must be -1 (no limit) or >= 1", None,
+    ),
+    "zero_log_every": (QUICK + ["trainer.log_every_n_steps=0"], "trainer.log_every_n_steps=0", "must be >= 1", None),
+    "imagefolder_without_root": (["trainer.max_epochs=1", "data=imagefolder"], "data.root", "data.root is required", None),
+    "imagefolder_missing_root": (
+        ["trainer.max_epochs=1", "data=imagefolder", "data.root={tmp}/missing"], "data.root={tmp}/missing",
+        "no such directory", None,
+    ),
+    "imagefolder_without_splits": (
+        ["trainer.max_epochs=1", "data=imagefolder", "data.root={dir}"], "data.root={dir}", "no train/ folder",
+        _imagefolder_without_splits,
+    ),
+    "imagefolder_without_val": (
+        ["trainer.max_epochs=1", "data=imagefolder", "data.root={dir}"], "data.root={dir}", "no val/ folder",
+        _imagefolder_without_val,
+    ),
+    "imagefolder_without_classes": (
+        ["trainer.max_epochs=1", "data=imagefolder", "data.root={dir}"], "data.root={dir}",
+        "Couldn't find any class folder", _imagefolder_without_classes,
+    ),
+    "imagefolder_with_different_classes": (
+        ["trainer.max_epochs=1", "data=imagefolder", "data.root={dir}"], "data.root={dir}",
+        "different class folders", _imagefolder_with_different_classes,
+    ),
+    "empty_train_split": (QUICK + ["data.num_samples=0"], "data", "the train split is empty", None),
+    "empty_val_split": (["trainer.max_epochs=1", "data.val_fraction=0"], "data", "the val split is empty", None),
+    "cifar10_not_downloaded": (
+        ["trainer.max_epochs=1", "data=cifar10", "data.root={dir}"], "data.root={dir}",
+        ("CIFAR-10 not found", "set data.download=true"), _empty_dir,
+    ),
+    "ddp_without_torchrun": (QUICK + ["strategy=ddp"], "strategy=ddp", "torchrun --nproc_per_node", None),
+}
+
+
+@pytest.mark.parametrize("args, key, message, setup", OUR_ERRORS.values(), ids=OUR_ERRORS.keys())
+def test_our_config_errors_are_one_line(tmp_path, args, key, message, setup):
+    """Each mistake ends with exit 1 and one `error:` line that names the key, before anything starts."""
+    folder = setup(tmp_path) if setup else None
+    args = [arg.format(tmp=tmp_path, dir=folder) for arg in args]
+    result = launch(args, cwd=tmp_path, timeout=120)
+    assert result.returncode == 1, _output(result)
+    lines = result.stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("error: "), result.stderr
+    assert key.format(tmp=tmp_path, dir=folder) in lines[0], lines[0]
+    for part in (message,) if isinstance(message, str) else message:
+        assert part in lines[0], lines[0]
+    assert_nothing_trained(tmp_path, result)
+
+
+HYDRA_ERRORS = {
+    "unknown_strategy": (["strategy=nope"], "Could not find 'strategy/nope'"),
+    "unknown_model": (["model=nope"], "Could not find 'model/nope'"),
+    "unknown_data": (["data=nope"], "Could not find 'data/nope'"),
+    "batch_size_not_an_int": (QUICK + ["data.batch_size=abc"], "data.batch_size"),
+    "max_epochs_not_an_int": (QUICK + ["trainer.max_epochs=abc"], "trainer.max_epochs"),
+    "syncbn_not_a_bool": (QUICK + ["syncbn=maybe"], "syncbn"),
+    "override_of_undeclared_key": (QUICK + ["trainer.typo=1"], "trainer.typo"),
+}
+
+
+@pytest.mark.parametrize("args, expected", HYDRA_ERRORS.values(), ids=HYDRA_ERRORS.keys())
+def test_composition_errors_fail_before_the_run_dir_exists(tmp_path, args, expected):
+    """Hydra rejects unknown options and mistyped values with a message naming them, and no run dir is made."""
+    result = launch(args, cwd=tmp_path, timeout=120)
+    assert result.returncode != 0, _output(result)
+    assert expected in result.stderr, result.stderr
+    assert "Traceback" not in _output(result), _output(result)
+    assert not (tmp_path / "outputs").exists(), "a run dir was created for a config that does not compose"
+
+
+def test_single_strategy_under_torchrun_points_to_ddp(tmp_path):
+    """torchrun with 2 workers and strategy=single stops every rank with a hint to use strategy=ddp."""
+    with socket.socket() as sock:  # a free port, so a concurrent torchrun on 29500 can't collide
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]
+    result = launch(QUICK + ["strategy=single"], cwd=tmp_path, nproc=2, env={"PET_MASTER_PORT": str(port)}, timeout=180)
+    output = _output(result)
+    assert result.returncode != 0, output
+    ours = [line for line in output.splitlines() if line.startswith("error: ")]
+    assert ours, output
+    assert all("strategy=single runs one process, but torchrun started 2" in line for line in ours), ours
+    assert all("use strategy=ddp" in line for line in ours), ours
+    # torchrun prints its own ChildFailedError traceback; none of the frames may be ours.
+    assert f'File "{TRAIN}"' not in output, output
+    text = output + _logs(tmp_path)
+    assert "process group up" not in text and "global_batch=" not in text, text
+    assert not list(tmp_path.rglob("events.out.tfevents*")), "a TensorBoard event file was written"
+    assert not list(tmp_path.rglob("*.pt")), "a checkpoint was written"

@@ -1,0 +1,286 @@
+"""Every config group option composes against its schema and builds what it names; the set of keys
+is frozen; the schema rejects mistyped values when the config is composed."""
+
+import pytest
+import torch
+from hydra import compose, initialize_config_dir
+from hydra.errors import ConfigCompositionException
+from hydra.utils import instantiate
+from omegaconf import DictConfig, ListConfig, OmegaConf
+from omegaconf.errors import ValidationError
+from PIL import Image
+from sklearn.datasets import load_digits
+
+import ddp.config as schema
+from conftest import REPO
+from data import build_datasets
+from ddp.config import ConfigError, register_configs, validate
+from ddp.run_dir import register_resolvers
+
+register_configs()
+register_resolvers()
+
+# Every option of every group, with the schema its yaml must start from.
+OPTIONS = {
+    "strategy": {"single": schema.StrategyConfig, "dp": schema.StrategyConfig, "ddp": schema.StrategyConfig},
+    "model": {"small_cnn": schema.SmallCNNConfig, "resnet18": schema.ResNet18Config},
+    "data": {
+        "digits": schema.DigitsDataConfig,
+        "synthetic": schema.SyntheticDataConfig,
+        "imagefolder": schema.ImageFolderDataConfig,
+        "cifar10": schema.Cifar10DataConfig,
+    },
+    "optim": {"sgd": schema.SGDConfig, "adam": schema.AdamConfig, "adamw": schema.AdamConfig},
+}
+ALL_OPTIONS = [(group, option) for group, options in OPTIONS.items() for option in options]
+
+# `python train.py` with no overrides. Update this list deliberately when adding an option.
+DEFAULT_KEYS = {
+    "strategy.name", "strategy.timeout_s", "strategy.bucket_cap_mb", "strategy.find_unused_parameters",
+    "model._target_", "model.channels", "model.dropout",
+    "data._target_", "data.batch_size", "data.num_workers", "data.val_fraction", "data.split_seed",
+    "optim._target_", "optim.lr", "optim.momentum", "optim.weight_decay", "optim.nesterov",
+    "trainer.max_epochs", "trainer.max_steps", "trainer.log_every_n_steps", "trainer.val_every_n_epochs",
+    "trainer.limit_train_batches", "trainer.limit_val_batches", "trainer.warmup_steps",
+    "backend", "syncbn", "seed",
+}
+
+# The keys each option adds to its group. Update this list deliberately when adding an option.
+OPTION_KEYS = {
+    ("strategy", "single"): {"name", "timeout_s", "bucket_cap_mb", "find_unused_parameters"},
+    ("strategy", "dp"): {"name", "timeout_s", "bucket_cap_mb", "find_unused_parameters"},
+    ("strategy", "ddp"): {"name", "timeout_s", "bucket_cap_mb", "find_unused_parameters"},
+    ("model", "small_cnn"): {"_target_", "channels", "dropout"},
+    ("model", "resnet18"): {"_target_", "small_input"},
+    ("data", "digits"): {"_target_", "batch_size", "num_workers", "val_fraction", "split_seed"},
+    ("data", "synthetic"): {
+        "_target_", "batch_size", "num_workers", "num_samples", "num_val_samples", "image_size", "num_classes",
+        "channels", "data_seed",
+    },
+    ("data", "imagefolder"): {"_target_", "batch_size", "num_workers", "root", "image_size"},
+    ("data", "cifar10"): {"_target_", "batch_size", "num_workers", "root", "download"},
+    ("optim", "sgd"): {"_target_", "lr", "momentum", "weight_decay", "nesterov"},
+    ("optim", "adam"): {"_target_", "lr", "weight_decay"},
+    ("optim", "adamw"): {"_target_", "lr", "weight_decay"},
+}
+
+OPTIMIZERS = {"sgd": torch.optim.SGD, "adam": torch.optim.Adam, "adamw": torch.optim.AdamW}
+
+
+def compose_config(*overrides: str) -> DictConfig:
+    with initialize_config_dir(config_dir=str(REPO / "conf"), version_base="1.3"):
+        return compose("config", overrides=list(overrides))
+
+
+def flat_keys(node, prefix: str = "") -> set[str]:
+    keys = set()
+    for key in node:
+        value = node._get_node(key)
+        if isinstance(value, DictConfig):
+            keys |= flat_keys(value, f"{prefix}{key}.")
+        else:
+            keys.add(f"{prefix}{key}")
+    return keys
+
+
+def write_imagefolder(root, classes=("cat", "dog"), per_class=3):
+    """A real ImageFolder tree of small, non-square RGB PNGs."""
+    for split in ("train", "val"):
+        for index, name in enumerate(classes):
+            folder = root / split / name
+            folder.mkdir(parents=True)
+            for i in range(per_class):
+                Image.new("RGB", (24, 20), color=(40 * index, 10 * i, 200)).save(folder / f"{i}.png")
+    return root
+
+
+def test_every_option_file_is_covered():
+    """The options tested here are exactly the yaml files in conf/<group>/, so a new one can't go untested."""
+    on_disk = {group: {p.stem for p in (REPO / "conf" / group).glob("*.yaml")} for group in OPTIONS}
+    assert on_disk == {group: set(options) for group, options in OPTIONS.items()}
+
+
+@pytest.mark.parametrize("group, option", ALL_OPTIONS, ids=[f"{g}={o}" for g, o in ALL_OPTIONS])
+def test_option_composes_against_its_schema(group, option):
+    """Each option yaml extends the schema it is registered with, and has exactly its frozen keys."""
+    cfg = compose_config(f"{group}={option}")
+    assert OmegaConf.get_type(cfg) is schema.TrainConfig
+    assert OmegaConf.get_type(cfg[group]) is OPTIONS[group][option]
+    assert set(cfg[group]) == OPTION_KEYS[group, option], "update OPTION_KEYS deliberately when adding an option"
+    if group == "strategy":
+        assert cfg.strategy.name == option
+
+
+@pytest.mark.parametrize("group, option", [(g, o) for g, o in ALL_OPTIONS if (g, o) != ("data", "imagefolder")])
+def test_option_passes_validation(group, option, tmp_path, monkeypatch):
+    """Every option's defaults are valid as shipped (cifar10's default root is relative to the working dir)."""
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "datasets" / "cifar10").mkdir(parents=True)
+    cfg = compose_config(f"{group}={option}")
+    distributed = cfg.strategy.name == "ddp"
+    validate(cfg, under_torchrun=distributed, world_size=2 if distributed else 1)
+
+
+def test_imagefolder_requires_a_root():
+    """data=imagefolder ships data.root as MISSING, and validation names the key to pass."""
+    cfg = compose_config("data=imagefolder")
+    assert OmegaConf.missing_keys(cfg) == {"data.root"}
+    with pytest.raises(ConfigError, match=r"data\.root is required"):
+        validate(cfg, under_torchrun=False, world_size=1)
+
+
+@pytest.mark.parametrize("size", [16, 32])
+@pytest.mark.parametrize("model", ["small_cnn", "resnet18"])
+def test_model_builds_and_runs_forward(model, size):
+    """Each model option builds with the data's num_classes/in_channels and maps (N, C, H, W) to (N, classes)."""
+    cfg = compose_config(f"model={model}")
+    net = instantiate(cfg.model, num_classes=10, in_channels=3).eval()
+    with torch.no_grad():
+        logits = net(torch.randn(2, 3, size, size))
+    assert logits.shape == (2, 10)
+    assert torch.isfinite(logits).all()
+
+
+@pytest.mark.parametrize("small_input", [True, False])
+def test_resnet18_accepts_one_channel_input(small_input):
+    """resnet18 adapts its stem to in_channels, with the small-input stem and with the ImageNet one."""
+    cfg = compose_config("model=resnet18", f"model.small_input={small_input}")
+    net = instantiate(cfg.model, num_classes=7, in_channels=1).eval()
+    with torch.no_grad():
+        assert net(torch.randn(2, 1, 32, 32)).shape == (2, 7)
+
+
+def test_small_cnn_channels_come_from_the_config():
+    """model.channels sets the conv widths, and the head follows the last one."""
+    cfg = compose_config("model=small_cnn", "model.channels=[4,6]")
+    net = instantiate(cfg.model, num_classes=3, in_channels=1)
+    convs = [m for m in net.modules() if isinstance(m, torch.nn.Conv2d)]
+    assert [(c.in_channels, c.out_channels) for c in convs] == [(1, 4), (4, 6)]
+    assert net(torch.randn(2, 1, 8, 8)).shape == (2, 3)
+
+
+@pytest.mark.parametrize("option", list(OPTIONS["optim"]))
+def test_optimizer_builds_from_config_and_steps(option):
+    """Each optim option builds its torch.optim class with the configured hyperparameters, and can step."""
+    cfg = compose_config(f"optim={option}", "model=small_cnn", "model.channels=[4]")
+    model = instantiate(cfg.model, num_classes=3, in_channels=1)
+    optimizer = instantiate(cfg.optim, params=model.parameters())
+    assert type(optimizer) is OPTIMIZERS[option]
+    group = optimizer.param_groups[0]
+    for key, value in cfg.optim.items():
+        if key != "_target_":
+            assert group[key] == value, key
+    before = [p.detach().clone() for p in model.parameters()]
+    torch.nn.functional.cross_entropy(model(torch.randn(4, 1, 8, 8)), torch.tensor([0, 1, 2, 0])).backward()
+    optimizer.step()
+    assert any(not torch.equal(a, b) for a, b in zip(before, model.parameters()))
+
+
+def _raw_rows(images: torch.Tensor) -> list[tuple[int, ...]]:
+    """Undo the global normalisation: the 17 distinct values are the raw 0..16 pixel levels, in order."""
+    levels = torch.unique(images)
+    assert len(levels) == 17
+    return [tuple(row) for row in torch.searchsorted(levels, images.reshape(len(images), -1)).tolist()]
+
+
+def test_digits_is_a_fixed_partition_of_all_1797_images():
+    """train + val hold every digits image exactly once with its label, val_fraction sets the sizes,
+    and the split depends on split_seed only, not on the global seed."""
+    cfg = compose_config("data=digits")
+    torch.manual_seed(1)
+    splits = build_datasets(cfg.data)
+    torch.manual_seed(2)
+    again = build_datasets(cfg.data)
+    assert (splits.num_classes, splits.in_channels) == (10, 1)
+    (train_x, train_y), (val_x, val_y) = splits.train.tensors, splits.val.tensors
+    assert train_x.shape[1:] == (1, 8, 8)
+    assert len(train_x) + len(val_x) == 1797
+    assert len(val_x) == int(1797 * cfg.data.val_fraction)
+
+    raw_x, raw_y = load_digits(return_X_y=True)
+    expected = sorted(zip(map(tuple, raw_x.astype(int).tolist()), raw_y.tolist()))
+    rows = _raw_rows(torch.cat([train_x, val_x]))
+    assert sorted(zip(rows, torch.cat([train_y, val_y]).tolist())) == expected
+
+    for a, b in zip(splits.train.tensors + splits.val.tensors, again.train.tensors + again.val.tensors):
+        assert torch.equal(a, b)
+    other = build_datasets(compose_config("data=digits", "data.split_seed=1").data)
+    assert not torch.equal(other.val.tensors[0], val_x)
+
+
+def test_synthetic_is_deterministic_with_configured_shapes():
+    """data_seed alone fixes the samples; the counts, image size, channels and classes come from the config."""
+    overrides = ["data=synthetic", "data.num_samples=40", "data.num_val_samples=12", "data.image_size=6",
+                 "data.channels=2", "data.num_classes=4"]
+    cfg = compose_config(*overrides)
+    torch.manual_seed(1)
+    splits = build_datasets(cfg.data)
+    torch.manual_seed(2)
+    again = build_datasets(cfg.data)
+    assert (splits.num_classes, splits.in_channels) == (4, 2)
+    assert splits.train.tensors[0].shape == (40, 2, 6, 6)
+    assert splits.val.tensors[0].shape == (12, 2, 6, 6)
+    for labels in (splits.train.tensors[1], splits.val.tensors[1]):
+        assert labels.dtype == torch.long and 0 <= labels.min() and labels.max() < 4
+    for a, b in zip(splits.train.tensors + splits.val.tensors, again.train.tensors + again.val.tensors):
+        assert torch.equal(a, b)
+    other = build_datasets(compose_config(*overrides, "data.data_seed=1").data)
+    assert not torch.equal(other.train.tensors[0], splits.train.tensors[0])
+
+
+def test_imagefolder_reads_a_real_tree(tmp_path):
+    """ImageFolder finds the class folders, and every image comes out (3, image_size, image_size)."""
+    root = write_imagefolder(tmp_path / "images")
+    cfg = compose_config("data=imagefolder", f"data.root={root}", "data.image_size=16")
+    validate(cfg, under_torchrun=False, world_size=1)
+    splits = build_datasets(cfg.data)
+    assert (splits.num_classes, splits.in_channels) == (2, 3)
+    assert (len(splits.train), len(splits.val)) == (6, 6)
+    image, label = splits.train[0]
+    assert image.shape == (3, 16, 16) and image.dtype == torch.float32
+    assert splits.train.classes == splits.val.classes == ["cat", "dog"]
+    assert sorted(label for _, label in splits.val.samples) == [0, 0, 0, 1, 1, 1]
+
+
+def test_cifar10_without_data_is_a_config_error(tmp_path):
+    """With download off and nothing at data.root, the builder raises our ConfigError, not torchvision's."""
+    cfg = compose_config("data=cifar10", f"data.root={tmp_path}")
+    assert cfg.data.download is False
+    with pytest.raises(ConfigError, match="CIFAR-10 not found") as error:
+        build_datasets(cfg.data)
+    assert f"data.root={tmp_path}" in str(error.value)
+
+
+def test_default_config_keys_are_frozen():
+    """The default config's flattened keys; adding or dropping one must be a deliberate change here."""
+    keys = flat_keys(compose_config())
+    assert keys == DEFAULT_KEYS, (
+        f"added: {sorted(keys - DEFAULT_KEYS)}, removed: {sorted(DEFAULT_KEYS - keys)}; "
+        "update this list deliberately when adding an option"
+    )
+    assert isinstance(compose_config().model._get_node("channels"), ListConfig)
+
+
+@pytest.mark.parametrize("override, key", [
+    ("trainer.max_epochs=abc", "trainer.max_epochs"),
+    ("data.batch_size=1.5", "data.batch_size"),
+    ("optim.lr=fast", "optim.lr"),
+    ("syncbn=maybe", "syncbn"),
+    ("strategy.timeout_s=soon", "strategy.timeout_s"),
+    ("model.channels=[a,b]", "model.channels[0]"),
+])
+def test_schema_rejects_wrong_types_at_compose_time(override, key):
+    """A mistyped value fails while composing: the schema's type check, naming the key, before any code sees it."""
+    with pytest.raises(ConfigCompositionException) as error:
+        compose_config(override)
+    assert isinstance(error.value.__cause__, ValidationError), repr(error.value.__cause__)
+    assert error.value.__cause__.full_key == key
+
+
+def test_schema_converts_typed_strings():
+    """Command-line strings become the schema's types: ints, floats and bools, not str."""
+    cfg = compose_config("trainer.max_epochs=3", "optim.lr=1", "syncbn=true", "data.batch_size=8")
+    assert cfg.trainer.max_epochs == 3 and type(cfg.trainer.max_epochs) is int
+    assert cfg.optim.lr == 1.0 and type(cfg.optim.lr) is float
+    assert cfg.syncbn is True
+    assert type(cfg.data.batch_size) is int
