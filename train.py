@@ -7,26 +7,33 @@
 
 import contextlib
 import logging
+import os
 import resource
 import sys
 import time
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 import hydra
 import torch
+import torch.distributed as dist
 import torch.nn.functional as F
 from hydra.core.hydra_config import HydraConfig
 from hydra.utils import instantiate
 from omegaconf import DictConfig, OmegaConf
+from torch.distributed.elastic.multiprocessing.errors import record
 from tqdm import tqdm
 
-from ddp.checkpoint import save_checkpoint
+from ddp.checkpoint import save_step_checkpoint
 from data import build_datasets
 from ddp.config import ConfigError, register_configs, validate
 from ddp.env import DistEnv, select_device
-from ddp.loaders import build_train_loader, build_val_loader, start_epoch
+from ddp.faults import inject_fault
+from ddp.loaders import build_train_loader, build_val_loader, iterate_from, start_epoch
+from ddp.preemption import StopOnSigterm
 from ddp.process_group import all_reduce_sum, process_group, replicas_identical, resolve_backend
 from ddp.rank_zero import RankZeroWriter, quiet_console_on_other_ranks, write_json
+from ddp.resume import capture_rank_state, find_resume_checkpoint, gather_rank_states, load_model_state, restore_rank_state
 from ddp.run_dir import register_resolvers
 from ddp.syncbn import convert_syncbn
 from ddp.wrap import unwrap_model, wrap_model
@@ -34,11 +41,22 @@ from ddp.wrap import unwrap_model, wrap_model
 log = logging.getLogger("train")
 
 
-def train_one_epoch(model, loader, optimizer, device, trainer_cfg, world_size, state, writer, progress) -> None:
-    """One pass over this rank's shard; updates `state` (global_step, loss sums, timing) in place."""
+@dataclass
+class Position:
+    """Where training stands; a checkpoint stores it, and a resumed run continues from it."""
+
+    epoch: int = 0
+    batch_in_epoch: int = 0  # batches of `epoch` already trained
+    global_step: int = 0
+    epoch_totals: list[float] = field(default_factory=lambda: [0.0, 0.0])  # this rank's loss sum, sample count
+
+
+def train_one_epoch(model, batches, optimizer, device, position, batches_per_epoch, trainer_cfg, world_size, writer, after_step) -> None:
+    """Train on `batches` ((index, batch) pairs) until the epoch, or max_steps, ends."""
     model.train()
-    for batch_index, (images, labels) in enumerate(loader):
-        if batch_index == trainer_cfg.limit_train_batches or state["global_step"] == trainer_cfg.max_steps:
+    logged_step, logged_at = position.global_step, time.perf_counter()
+    for batch_index, (images, labels) in batches:
+        if batch_index == batches_per_epoch or position.global_step == trainer_cfg.max_steps:
             break
         images, labels = images.to(device, non_blocking=True), labels.to(device, non_blocking=True)
         loss = F.cross_entropy(model(images), labels)
@@ -46,22 +64,19 @@ def train_one_epoch(model, loader, optimizer, device, trainer_cfg, world_size, s
         loss.backward()
         optimizer.step()
 
-        state["global_step"] += 1
-        state["loss_sum"] += loss.item() * len(labels)
-        state["loss_count"] += len(labels)
-        if state["global_step"] == trainer_cfg.warmup_steps:
-            state["steady_start"] = time.perf_counter()  # later steps count toward samples/s
-        elif state["global_step"] > trainer_cfg.warmup_steps:
-            state["steady_samples"] += len(labels) * world_size
-        progress.update(1)
-        if state["global_step"] % trainer_cfg.log_every_n_steps == 0:
+        position.batch_in_epoch = batch_index + 1
+        position.global_step += 1
+        position.epoch_totals[0] += loss.item() * len(labels)
+        position.epoch_totals[1] += len(labels)
+        if position.global_step % trainer_cfg.log_every_n_steps == 0:
             now = time.perf_counter()
-            interval_samples = (state["global_step"] - state["logged_step"]) * len(labels) * world_size
-            writer.add_scalar("train/loss", loss.item(), state["global_step"])
-            writer.add_scalar("train/lr", optimizer.param_groups[0]["lr"], state["global_step"])
-            writer.add_scalar("train/samples_per_s", interval_samples / (now - state["logged_at"]), state["global_step"])
-            state["logged_step"], state["logged_at"] = state["global_step"], now
-            progress.set_postfix(loss=f"{loss.item():.4f}")
+            samples = (position.global_step - logged_step) * len(labels) * world_size
+            writer.add_scalar("train/loss", loss.item(), position.global_step)
+            writer.add_scalar("train/lr", optimizer.param_groups[0]["lr"], position.global_step)
+            writer.add_scalar("train/samples_per_s", samples / (now - logged_at), position.global_step)
+            logged_step, logged_at = position.global_step, now
+        epoch_ends = position.batch_in_epoch == batches_per_epoch or position.global_step == trainer_cfg.max_steps
+        after_step(len(labels) * world_size, epoch_ends)
 
 
 @torch.no_grad()
@@ -81,6 +96,7 @@ def evaluate(model, loader, device, limit_batches: int) -> dict[str, float]:
     return {"val_loss": loss_sum / count, "val_accuracy": correct / count, "val_samples": int(count)}
 
 
+@record  # a failing rank's traceback reaches torchrun's error summary (Hydra would swallow it)
 def run(cfg: DictConfig, run_dir: Path) -> dict:
     """The whole run; returns the final metrics (also written to run_dir/results.json on rank 0)."""
     # resolve env and check the config before anything starts or is written
@@ -98,12 +114,26 @@ def run(cfg: DictConfig, run_dir: Path) -> dict:
     splits = build_datasets(cfg.data)
     model = instantiate(cfg.model, num_classes=splits.num_classes, in_channels=splits.in_channels)
 
-    with process_group(backend, env, device, cfg.strategy.timeout_s) if distributed else contextlib.nullcontext():
-        return fit(cfg, env, device, splits, model, run_dir)
+    # resume: weights load before wrapping, so DDP starts every rank from them
+    restarted = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")) > 0
+    resumed = find_resume_checkpoint(cfg.resume, run_dir, restarted)
+    if resumed:
+        load_model_state(model, resumed[1]["model"], resumed[0])
+
+    try:
+        with process_group(backend, env, device, cfg.strategy.timeout_s) if distributed else contextlib.nullcontext():
+            return fit(cfg, env, device, splits, model, resumed, run_dir)
+    except RuntimeError as error:  # torch's DistBackendError included
+        if distributed and "timed out" in str(error).lower():
+            raise RuntimeError(
+                f"a collective timed out after strategy.timeout_s={cfg.strategy.timeout_s:g}: "
+                f"a rank stalled or skipped a collective ({str(error).strip().splitlines()[0]})"
+            ) from error
+        raise
 
 
-def fit(cfg: DictConfig, env: DistEnv, device: torch.device, splits, model, run_dir: Path) -> dict:
-    world_size = env.world_size
+def fit(cfg: DictConfig, env: DistEnv, device: torch.device, splits, model, resumed, run_dir: Path) -> dict:
+    world_size, trainer = env.world_size, cfg.trainer
     pin_memory = device.type == "cuda"
     train_loader = build_train_loader(splits.train, cfg.data, env, cfg.seed, pin_memory)
     val_loader = build_val_loader(splits.val, cfg.data, env, pin_memory)
@@ -117,57 +147,114 @@ def fit(cfg: DictConfig, env: DistEnv, device: torch.device, splits, model, run_
     # the bare model. DataParallel has no collectives and keeps its multi-GPU eval.
     eval_model = raw_model if cfg.strategy.name == "ddp" else model
     optimizer = instantiate(cfg.optim, params=model.parameters())
-    torch.manual_seed(cfg.seed + env.rank)  # per-rank randomness (dropout) from here on
 
-    writer = RankZeroWriter(run_dir, env)
+    position, rank_state = Position(), None
+    torch.manual_seed(cfg.seed + env.rank)  # per-rank randomness (dropout) from here on
+    if resumed:
+        checkpoint_path, checkpoint = resumed
+        optimizer.load_state_dict(checkpoint["optimizer"])
+        position = Position(checkpoint["epoch"], checkpoint["batch_in_epoch"], checkpoint["global_step"])
+        if checkpoint["world_size"] == world_size:
+            rank_state = checkpoint["ranks"][env.rank]
+            position.epoch_totals = list(rank_state["epoch_totals"])
+        else:
+            log.warning("checkpoint has world_size=%d, this run %d: resuming the weights, but not bit-identically",
+                        checkpoint["world_size"], world_size)
+        log.info("resumed from %s at epoch %d, batch %d, step %d", checkpoint_path, position.epoch,
+                 position.batch_in_epoch, position.global_step)
+
+    writer = RankZeroWriter(run_dir, env, purge_step=position.global_step + 1 if resumed else None)
     global_batch = cfg.data.batch_size * world_size
     log.info(
         "strategy=%s world_size=%d device=%s batch_size=%d global_batch=%d train=%d val=%d samples",
         cfg.strategy.name, world_size, device, cfg.data.batch_size, global_batch, len(splits.train), len(splits.val),
     )
 
+    def save() -> None:
+        # A collective: every rank contributes its RNG state, rank 0 writes.
+        rank_states = gather_rank_states(capture_rank_state(train_loader.generator, position.epoch_totals))
+        if env.is_main:
+            state = {
+                "model": raw_model.state_dict(),
+                "optimizer": optimizer.state_dict(),
+                **asdict(position),
+                "tensorboard_step": position.global_step,
+                "world_size": world_size,
+                "ranks": rank_states,
+                "config": OmegaConf.to_container(cfg, resolve=True),
+            }
+            del state["epoch_totals"]  # per rank, inside "ranks"
+            save_step_checkpoint(state, run_dir, position.global_step, cfg.checkpoint.keep_last)
+        if dist.is_initialized():
+            dist.barrier()  # nobody runs ahead (or exits) before the checkpoint exists
+        saved["step"] = position.global_step
+
     # loop
-    trainer = cfg.trainer
+    every_n = cfg.checkpoint.every_n_steps
+    sigterm = StopOnSigterm()
+    saved = {"step": position.global_step if resumed else -1}
+    throughput = {"samples": 0, "since": time.perf_counter()}
+    progress = tqdm(total=total_steps(len(train_loader), trainer), initial=position.global_step, desc="train",
+                    disable=not (env.is_main and sys.stderr.isatty()))
+
+    def after_step(global_samples: int, epoch_ends: bool) -> None:
+        progress.update(1)
+        if position.global_step == trainer.warmup_steps:
+            throughput.update(samples=0, since=time.perf_counter())  # steady state starts after warm-up
+        elif position.global_step > trainer.warmup_steps:
+            throughput["samples"] += global_samples
+        inject_fault(cfg.fault, env.rank, position.global_step)
+        if sigterm.stop_now(device):
+            save()
+            log.warning("stopped by SIGTERM at step %d; relaunch with resume=auto and the same run dir to continue", position.global_step)
+            raise SystemExit(143)
+        # At an epoch's last step the save waits for validation, so a resume never repeats it.
+        if every_n and position.global_step % every_n == 0 and not epoch_ends:
+            save()
+
     started = time.perf_counter()
-    state = {"global_step": 0, "steady_samples": 0, "steady_start": started, "logged_step": 0, "logged_at": started}
     metrics: dict[str, float] = {}
-    steps_per_epoch = len(train_loader) if trainer.limit_train_batches == -1 else min(len(train_loader), trainer.limit_train_batches)
-    total_steps = steps_per_epoch * trainer.max_epochs
-    if trainer.max_steps != -1:
-        total_steps = min(total_steps, trainer.max_steps)
-    progress = tqdm(total=total_steps, desc="train", disable=not (env.is_main and sys.stderr.isatty()))
-    for epoch in range(trainer.max_epochs):
-        if state["global_step"] == trainer.max_steps:
-            break
+    batches_per_epoch = len(train_loader) if trainer.limit_train_batches == -1 else min(len(train_loader), trainer.limit_train_batches)
+    while position.epoch < trainer.max_epochs and position.global_step != trainer.max_steps:
         epoch_started = time.perf_counter()
-        start_epoch(train_loader, epoch, cfg.seed, env.rank)
-        state["loss_sum"], state["loss_count"] = 0.0, 0
-        train_one_epoch(model, train_loader, optimizer, device, trainer, world_size, state, writer, progress)
-        loss_sum, loss_count = all_reduce_sum(torch.tensor([state["loss_sum"], state["loss_count"]], dtype=torch.float64, device=device)).tolist()
-        metrics = {"train_loss": loss_sum / max(loss_count, 1)}
-        writer.add_scalar("train/epoch_loss", metrics["train_loss"], state["global_step"])
-        writer.add_scalar("train/epoch_time_s", time.perf_counter() - epoch_started, state["global_step"])
-        last_epoch = epoch == trainer.max_epochs - 1 or state["global_step"] == trainer.max_steps
-        if (epoch + 1) % trainer.val_every_n_epochs == 0 or last_epoch:
+        start_epoch(train_loader, position.epoch, cfg.seed, env.rank)
+        restore = (lambda state=rank_state: restore_rank_state(state)) if rank_state else None
+        batches = iterate_from(train_loader, position.batch_in_epoch, on_resume=restore)
+        rank_state = None
+        train_one_epoch(model, batches, optimizer, device, position, batches_per_epoch, trainer, world_size, writer, after_step)
+
+        loss_sum, count = all_reduce_sum(torch.tensor(position.epoch_totals, dtype=torch.float64, device=device)).tolist()
+        metrics = {"train_loss": loss_sum / max(count, 1)}
+        writer.add_scalar("train/epoch_loss", metrics["train_loss"], position.global_step)
+        writer.add_scalar("train/epoch_time_s", time.perf_counter() - epoch_started, position.global_step)
+        last_epoch = position.epoch == trainer.max_epochs - 1 or position.global_step == trainer.max_steps
+        if (position.epoch + 1) % trainer.val_every_n_epochs == 0 or last_epoch:
             metrics |= evaluate(eval_model, val_loader, device, trainer.limit_val_batches)
-            writer.add_scalar("val/loss", metrics["val_loss"], state["global_step"])
-            writer.add_scalar("val/accuracy", metrics["val_accuracy"], state["global_step"])
-            log.info("epoch %d step %d: train_loss=%.4f val_loss=%.4f val_accuracy=%.4f", epoch, state["global_step"],
-                     metrics["train_loss"], metrics["val_loss"], metrics["val_accuracy"])
+            writer.add_scalar("val/loss", metrics["val_loss"], position.global_step)
+            writer.add_scalar("val/accuracy", metrics["val_accuracy"], position.global_step)
+            log.info("epoch %d step %d: train_loss=%.4f val_loss=%.4f val_accuracy=%.4f", position.epoch,
+                     position.global_step, metrics["train_loss"], metrics["val_loss"], metrics["val_accuracy"])
+        position.epoch, position.batch_in_epoch, position.epoch_totals = position.epoch + 1, 0, [0.0, 0.0]
+        if every_n and position.global_step % every_n == 0:
+            save()
     progress.close()
+    if "val_loss" not in metrics:  # resumed from a finished run: report its metrics again
+        metrics |= evaluate(eval_model, val_loader, device, trainer.limit_val_batches)
     wall_s = time.perf_counter() - started
-    steady_s = time.perf_counter() - state["steady_start"]
+    steady_s = time.perf_counter() - throughput["since"]
 
     # save and summarise (rank 0)
+    if saved["step"] != position.global_step:
+        save()
     results = {
         **metrics,
-        "steps": state["global_step"],
-        "epochs": epoch + 1,
+        "steps": position.global_step,
+        "epochs": position.epoch,
         "world_size": world_size,
         "strategy": cfg.strategy.name,
         "batch_size": cfg.data.batch_size,
         "global_batch_size": global_batch,
-        "samples_per_s": state["steady_samples"] / steady_s if state["steady_samples"] else None,
+        "samples_per_s": throughput["samples"] / steady_s if throughput["samples"] else None,
         "wall_s": wall_s,
         "peak_memory_mb": peak_memory_mb(device),
         "replicas_identical": replicas_identical(raw_model),
@@ -175,20 +262,16 @@ def fit(cfg: DictConfig, env: DistEnv, device: torch.device, splits, model, run_
     if not results["replicas_identical"]:
         log.warning("the ranks' model replicas differ at the end of training: some code path depends on the rank")
     if env.is_main:
-        save_checkpoint(
-            {
-                "model": raw_model.state_dict(),
-                "optimizer": optimizer.state_dict(),
-                "epoch": epoch,
-                "global_step": state["global_step"],
-                "config": OmegaConf.to_container(cfg, resolve=True),
-            },
-            run_dir / "checkpoints" / "last.pt",
-        )
         write_json(results, run_dir / "results.json")
-    writer.add_hparams(hparams_of(cfg, world_size), {f"hparam/{k}": v for k, v in metrics.items()}, state["global_step"])
+    writer.add_hparams(hparams_of(cfg, world_size), {f"hparam/{k}": v for k, v in metrics.items()}, position.global_step)
     writer.close()
     return results
+
+
+def total_steps(batches_in_loader: int, trainer_cfg) -> int:
+    per_epoch = batches_in_loader if trainer_cfg.limit_train_batches == -1 else min(batches_in_loader, trainer_cfg.limit_train_batches)
+    total = per_epoch * trainer_cfg.max_epochs
+    return total if trainer_cfg.max_steps == -1 else min(total, trainer_cfg.max_steps)
 
 
 def hparams_of(cfg: DictConfig, world_size: int) -> dict:

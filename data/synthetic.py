@@ -1,13 +1,30 @@
 """Seeded in-memory images with a learnable class signal, for tests and benchmarks."""
 
 import torch
-from torch.utils.data import TensorDataset
+from torch.utils.data import Dataset, TensorDataset
 
 from data import DataSplits
 
 
+class RandomFlipAndNoise(Dataset):
+    """Random augmentation drawn from torch's RNG (the worker's, or the main process's with no workers)."""
+
+    def __init__(self, base: Dataset):
+        self.base = base
+
+    def __len__(self) -> int:
+        return len(self.base)
+
+    def __getitem__(self, index):
+        image, label = self.base[index]
+        if torch.rand(()) < 0.5:
+            image = image.flip(-1)
+        return image + 0.1 * torch.randn_like(image), label
+
+
 def build_synthetic(
-    num_samples: int, num_val_samples: int, image_size: int, num_classes: int, channels: int, data_seed: int
+    num_samples: int, num_val_samples: int, image_size: int, num_classes: int, channels: int, data_seed: int,
+    augment: bool = False,
 ) -> DataSplits:
     # Generated once here, not per __getitem__: cheap to read, identical on every rank.
     generator = torch.Generator().manual_seed(data_seed)
@@ -18,4 +35,5 @@ def build_synthetic(
         noise = torch.randn(count, channels, image_size, image_size, generator=generator)
         return TensorDataset(prototypes[labels] + 2.0 * noise, labels)
 
-    return DataSplits(make(num_samples), make(num_val_samples), num_classes=num_classes, in_channels=channels)
+    train = make(num_samples)
+    return DataSplits(RandomFlipAndNoise(train) if augment else train, make(num_val_samples), num_classes, channels)

@@ -62,6 +62,7 @@ class SyntheticDataConfig(DataConfig):
     num_classes: int = 10
     channels: int = 3
     data_seed: int = 0
+    augment: bool = False  # random flips and noise on the training split
 
 
 @dataclass
@@ -106,12 +107,32 @@ class TrainerConfig:
 
 
 @dataclass
+class CheckpointConfig:
+    every_n_steps: int = 100  # rank 0 saves every n optimizer steps (0: only at the end)
+    keep_last: int = 3  # step checkpoints kept; older ones are deleted
+
+
+@dataclass
+class FaultConfig:
+    """A testing aid, off by default: one rank fails at one step, on the first attempt only."""
+
+    kill_rank: int = -1  # this rank exits hard (SIGKILL)
+    raise_rank: int = -1  # this rank raises an exception
+    stall_rank: int = -1  # this rank hangs, until the process-group timeout ends the job
+    at_step: int = -1
+    every_attempt: bool = False  # fail after torchrun restarts too (exhausts --max-restarts)
+
+
+@dataclass
 class TrainConfig:
     strategy: StrategyConfig = MISSING
     model: ModelConfig = MISSING
     data: DataConfig = MISSING
     optim: OptimConfig = MISSING
     trainer: TrainerConfig = field(default_factory=TrainerConfig)
+    checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
+    fault: FaultConfig = field(default_factory=FaultConfig)
+    resume: str | None = None  # auto | a run dir | a checkpoint file; auto after a torchrun restart
     backend: str = "auto"  # auto | nccl | gloo; auto is nccl when CUDA is available, else gloo
     syncbn: bool = False  # synchronize BatchNorm statistics across ranks (strategy=ddp)
     seed: int = 0
@@ -181,6 +202,14 @@ def validate(cfg: Any, *, under_torchrun: bool, world_size: int) -> None:
     for key in ("log_every_n_steps", "val_every_n_epochs"):
         _check(trainer[key] >= 1, f"trainer.{key}={trainer[key]}: must be >= 1")
     _check(trainer.warmup_steps >= 0, f"trainer.warmup_steps={trainer.warmup_steps}: must be >= 0")
+    _check(cfg.checkpoint.every_n_steps >= 0, f"checkpoint.every_n_steps={cfg.checkpoint.every_n_steps}: must be >= 0 (0: only at the end)")
+    _check(cfg.checkpoint.keep_last >= 1, f"checkpoint.keep_last={cfg.checkpoint.keep_last}: must be >= 1")
+    for key in ("kill_rank", "raise_rank", "stall_rank"):
+        rank = cfg.fault[key]
+        _check(rank < world_size, f"fault.{key}={rank}: there are only {world_size} ranks")
+        _check(rank < 0 or cfg.fault.at_step >= 1, f"fault.{key}={rank} needs fault.at_step >= 1")
+    if cfg.resume not in (None, "auto"):
+        _check(Path(cfg.resume).exists(), f"resume={cfg.resume}: not found; pass a run dir, a checkpoint file, or resume=auto")
     if strategy == "ddp":
         _check(
             under_torchrun,

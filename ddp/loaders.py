@@ -1,6 +1,6 @@
 """Samplers and DataLoaders: shuffled shards for training, exact unpadded shards for evaluation."""
 
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 
 import torch
 from torch.utils.data import DataLoader, Dataset, DistributedSampler, Sampler
@@ -32,8 +32,11 @@ class ShardSampler(Sampler[int]):
 
 def build_train_loader(dataset: Dataset, data_cfg, env: DistEnv, seed: int, pin_memory: bool) -> DataLoader:
     """Every strategy shards with DistributedSampler (one replica for single/dp), so the order of
-    samples depends only on the seed and the global batch. Call `sampler.set_epoch(epoch)` and
-    reseed `loader.generator` every epoch."""
+    samples depends only on the seed and the global batch. Call `start_epoch` every epoch.
+
+    Workers are not persistent: persistent workers carry their random streams across epochs,
+    which a run resumed in a later epoch could not reproduce.
+    """
     sampler = DistributedSampler(dataset, num_replicas=env.world_size, rank=env.rank, shuffle=True, seed=seed)
     return DataLoader(
         dataset,
@@ -41,7 +44,6 @@ def build_train_loader(dataset: Dataset, data_cfg, env: DistEnv, seed: int, pin_
         sampler=sampler,
         num_workers=data_cfg.num_workers,
         pin_memory=pin_memory,
-        persistent_workers=data_cfg.num_workers > 0,
         # Its own generator, so the loader never draws from the global RNG (see the README on resume).
         generator=torch.Generator(),
     )
@@ -64,3 +66,18 @@ def start_epoch(loader: DataLoader, epoch: int, seed: int, rank: int) -> None:
     worker seeds and random augmentation don't depend on how many batches came before."""
     loader.sampler.set_epoch(epoch)
     loader.generator.manual_seed(seed + 1_000_003 * epoch + rank)
+
+
+def iterate_from(loader: DataLoader, start_batch: int, on_resume: Callable[[], None] | None = None) -> Iterator:
+    """(batch_index, batch) pairs from `start_batch` on, for resuming mid-epoch.
+
+    The skipped batches are loaded and dropped rather than cut from the sampler, so workers'
+    random augmentations stay in step with the uninterrupted run. `on_resume` runs just before
+    the first yielded batch is loaded (that is when to restore the RNG state).
+    """
+    batches = iter(loader)
+    for _ in range(start_batch):
+        next(batches)
+    if on_resume is not None:
+        on_resume()
+    yield from enumerate(batches, start=start_batch)

@@ -24,8 +24,9 @@ def quiet_console_on_other_ranks(env: DistEnv) -> None:
 class RankZeroWriter:
     """A TensorBoard SummaryWriter on rank 0 and a no-op elsewhere, so other ranks write no event files."""
 
-    def __init__(self, log_dir: Path, env: DistEnv):
-        self.writer = SummaryWriter(log_dir=str(log_dir)) if env.is_main else None
+    def __init__(self, log_dir: Path, env: DistEnv, purge_step: int | None = None):
+        # purge_step: a resumed run drops the events the interrupted one logged after its checkpoint.
+        self.writer = SummaryWriter(log_dir=str(log_dir), purge_step=purge_step) if env.is_main else None
 
     def add_scalar(self, tag: str, value: float, step: int) -> None:
         if self.writer is not None:

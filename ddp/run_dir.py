@@ -61,9 +61,13 @@ def launch_time() -> float:
 
 
 def register_resolvers() -> None:
-    """`${launch_time:FORMAT}` for run and sweep dirs; `${rank_zero_only:VALUE}` is null on other ranks."""
+    """`${launch_time:FORMAT}` for run and sweep dirs; `${resume_dir:RESUME,DEFAULT}` continues in the
+    run dir that `resume=` names; `${rank_zero_only:VALUE}` is null on other ranks."""
     OmegaConf.register_new_resolver(
         "launch_time", lambda fmt: datetime.fromtimestamp(launch_time()).strftime(fmt), replace=True
+    )
+    OmegaConf.register_new_resolver(
+        "resume_dir", lambda resume, default: resume if resume and Path(resume).is_dir() else default, replace=True
     )
     OmegaConf.register_new_resolver(
         "rank_zero_only", lambda value: value if os.environ.get("RANK", "0") == "0" else None, replace=True

@@ -42,7 +42,9 @@ DEFAULT_KEYS = {
     "optim._target_", "optim.lr", "optim.momentum", "optim.weight_decay", "optim.nesterov",
     "trainer.max_epochs", "trainer.max_steps", "trainer.log_every_n_steps", "trainer.val_every_n_epochs",
     "trainer.limit_train_batches", "trainer.limit_val_batches", "trainer.warmup_steps",
-    "backend", "syncbn", "seed",
+    "checkpoint.every_n_steps", "checkpoint.keep_last",
+    "fault.kill_rank", "fault.raise_rank", "fault.stall_rank", "fault.at_step", "fault.every_attempt",
+    "backend", "syncbn", "seed", "resume",
 }
 
 # The keys each option adds to its group. Update this list deliberately when adding an option.
@@ -55,7 +57,7 @@ OPTION_KEYS = {
     ("data", "digits"): {"_target_", "batch_size", "num_workers", "val_fraction", "split_seed"},
     ("data", "synthetic"): {
         "_target_", "batch_size", "num_workers", "num_samples", "num_val_samples", "image_size", "num_classes",
-        "channels", "data_seed",
+        "channels", "data_seed", "augment",
     },
     ("data", "imagefolder"): {"_target_", "batch_size", "num_workers", "root", "image_size"},
     ("data", "cifar10"): {"_target_", "batch_size", "num_workers", "root", "download"},

@@ -37,7 +37,7 @@ def test_one_run_dir_one_hydra_dir_rank_zero_events_and_a_log_per_rank(ddp_run):
     assert (run_dir / ".hydra" / "config.yaml").is_file()
     events = list(cwd.rglob("events.out.tfevents*"))
     assert [e.parent for e in events] == [run_dir], events
-    assert sorted(p.name for p in (cwd / "outputs").rglob("*.pt")) == ["last.pt"]
+    assert sorted(p.name for p in (cwd / "outputs").rglob("*.pt")) == ["last.pt", "step-00000016.pt"]
     for rank in (0, 1):
         text = (run_dir / f"train_rank{rank}.log").read_text()
         assert f"[rank {rank}]" in text and f"[rank {1 - rank}]" not in text
@@ -60,7 +60,7 @@ def test_results_report_the_run(ddp_run):
 def test_ddp_checkpoint_loads_strictly_into_single_and_dataparallel_models(ddp_run):
     checkpoint = load_last(ddp_run[0])
     assert not any(key.startswith("module.") for key in checkpoint["model"])
-    assert (checkpoint["epoch"], checkpoint["global_step"]) == (1, 16)
+    assert (checkpoint["epoch"], checkpoint["batch_in_epoch"], checkpoint["global_step"]) == (2, 0, 16)
     assert checkpoint["optimizer"]["state"], "optimizer state is saved"
     single = SmallCNN(num_classes=10, in_channels=3, channels=[8, 16])
     single.load_state_dict(checkpoint["model"], strict=True)

@@ -1,0 +1,80 @@
+"""Exact resume: choosing the checkpoint, and the per-rank state that makes the rest bit-identical."""
+
+import logging
+import random
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from ddp.checkpoint import CheckpointError, load_checkpoint, load_latest_checkpoint
+from ddp.config import ConfigError
+
+log = logging.getLogger(__name__)
+
+
+def find_resume_checkpoint(resume: str | None, run_dir: Path, restarted: bool) -> tuple[Path, dict[str, Any]] | None:
+    """`resume`: None (fresh, or `auto` after a torchrun restart), `auto`, a run dir, or a checkpoint file."""
+    if resume is None and restarted:
+        resume = "auto"  # torchrun restarted the workers: pick up where the last attempt saved
+    if resume is None:
+        return None
+    if resume == "auto":
+        found = load_latest_checkpoint(run_dir)
+        if found is None:
+            log.info("resume=auto: no checkpoint in %s, starting fresh", run_dir)
+        return found
+    path = Path(resume)
+    if path.is_dir():
+        found = load_latest_checkpoint(path)
+        if found is None:
+            raise ConfigError(f"resume={resume}: no loadable checkpoint in {path / 'checkpoints'}")
+        return found
+    try:
+        return path, load_checkpoint(path)
+    except CheckpointError as error:
+        raise ConfigError(f"resume={resume}: {error}") from None
+
+
+def load_model_state(model: nn.Module, state_dict: dict[str, torch.Tensor], source: Path) -> None:
+    """load_state_dict(strict=True), with a one-line error listing every mismatched key."""
+    own = model.state_dict()
+    missing = sorted(own.keys() - state_dict.keys())
+    unexpected = sorted(state_dict.keys() - own.keys())
+    reshaped = sorted(k for k in own.keys() & state_dict.keys() if own[k].shape != state_dict[k].shape)
+    if missing or unexpected or reshaped:
+        raise ConfigError(
+            f"resume: {source} does not fit this model (model.* differs from the checkpoint's): "
+            f"missing keys {missing}, unexpected keys {unexpected}, different shapes {reshaped}"
+        )
+    model.load_state_dict(state_dict, strict=True)
+
+
+def capture_rank_state(loader_generator: torch.Generator, epoch_totals: list[float]) -> dict[str, Any]:
+    """This rank's random state and partial-epoch loss, as plain containers and tensors."""
+    return {
+        "torch_rng": torch.get_rng_state(),
+        "cuda_rng": torch.cuda.get_rng_state_all() if torch.cuda.is_available() else [],
+        "python_rng": random.getstate(),
+        # Reseeded per (rank, epoch) by ddp.loaders.start_epoch, so resume re-derives it; kept for inspection.
+        "loader_rng": loader_generator.get_state(),
+        "epoch_totals": list(epoch_totals),
+    }
+
+
+def restore_rank_state(state: dict[str, Any]) -> None:
+    torch.set_rng_state(state["torch_rng"])
+    if state["cuda_rng"]:
+        torch.cuda.set_rng_state_all(state["cuda_rng"])
+    random.setstate(state["python_rng"])
+
+
+def gather_rank_states(state: dict[str, Any]) -> list[dict[str, Any]]:
+    """Every rank's state, on every rank (a collective: all ranks must call it)."""
+    if not (dist.is_available() and dist.is_initialized()):
+        return [state]
+    states: list[Any] = [None] * dist.get_world_size()
+    dist.all_gather_object(states, state)
+    return states
