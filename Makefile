@@ -7,8 +7,11 @@ STAMP := $(VENV)/.installed-stamp
 # A few steps on synthetic data, for the smoke runs.
 SMOKE := data=synthetic data.num_samples=256 data.num_val_samples=64 data.batch_size=16 trainer.max_epochs=1 trainer.limit_train_batches=5 trainer.log_every_n_steps=1
 
+# gloo re-initialises reliably after torchrun restarts only without torchrun's shared store (pytorch#135712).
+export TORCH_DISABLE_SHARE_RDZV_TCP_STORE := 1
+
 .DEFAULT_GOAL := help
-.PHONY: help install train test smoke-test tensorboard
+.PHONY: help install train test smoke-test sweep tensorboard
 
 help: ## List the targets
 	@grep -E '^[a-z-]+:.*## ' $(MAKEFILE_LIST) | awk -F':.*## ' '{printf "  make %-12s %s\n", $$1, $$2}'
@@ -30,6 +33,9 @@ smoke-test: install ## Three short CPU runs: single, dp, and torchrun ddp with S
 	$(PY) train.py strategy=single $(SMOKE)
 	$(PY) train.py strategy=dp $(SMOKE)
 	$(TORCHRUN) --nproc_per_node=2 train.py strategy=ddp syncbn=true $(SMOKE)
+
+sweep: install ## A batch-size sweep on CPU: 3 jobs of self-launched DDP on 2 processes; prints the summary
+	$(PY) train.py -m strategy=ddp strategy.nproc_per_node=2 data=synthetic data.num_samples=512 trainer.max_epochs=2 data.batch_size=16,32,64
 
 tensorboard: install ## Serve outputs/ on http://127.0.0.1:6006
 	$(VENV)/bin/tensorboard --logdir outputs --host 127.0.0.1 --port 6006

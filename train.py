@@ -19,6 +19,7 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 from hydra.core.hydra_config import HydraConfig
+from hydra.types import RunMode
 from hydra.utils import instantiate
 from omegaconf import DictConfig, OmegaConf
 from torch.distributed.elastic.multiprocessing.errors import record
@@ -29,6 +30,7 @@ from data import build_datasets
 from ddp.config import ConfigError, register_configs, validate
 from ddp.env import DistEnv, select_device
 from ddp.faults import inject_fault
+from ddp.launch import launch_workers
 from ddp.loaders import build_train_loader, build_val_loader, iterate_from, start_epoch
 from ddp.preemption import StopOnSigterm
 from ddp.process_group import all_reduce_sum, process_group, replicas_identical, resolve_backend
@@ -166,8 +168,8 @@ def fit(cfg: DictConfig, env: DistEnv, device: torch.device, splits, model, resu
     writer = RankZeroWriter(run_dir, env, purge_step=position.global_step + 1 if resumed else None)
     global_batch = cfg.data.batch_size * world_size
     log.info(
-        "strategy=%s world_size=%d device=%s batch_size=%d global_batch=%d train=%d val=%d samples",
-        cfg.strategy.name, world_size, device, cfg.data.batch_size, global_batch, len(splits.train), len(splits.val),
+        "strategy=%s world_size=%d device=%s batch_size=%d global_batch=%d lr=%g train=%d val=%d samples",
+        cfg.strategy.name, world_size, device, cfg.data.batch_size, global_batch, cfg.optim.lr, len(splits.train), len(splits.val),
     )
 
     def save() -> None:
@@ -257,7 +259,7 @@ def fit(cfg: DictConfig, env: DistEnv, device: torch.device, splits, model, resu
         "samples_per_s": throughput["samples"] / steady_s if throughput["samples"] else None,
         "wall_s": wall_s,
         "peak_memory_mb": peak_memory_mb(device),
-        "replicas_identical": replicas_identical(raw_model),
+        "replicas_identical": replicas_identical(raw_model, include_buffers=cfg.syncbn),
     }
     if not results["replicas_identical"]:
         log.warning("the ranks' model replicas differ at the end of training: some code path depends on the rank")
@@ -301,18 +303,41 @@ register_resolvers()
 
 
 @hydra.main(version_base="1.3", config_path="conf", config_name="config")
-def main(cfg: DictConfig) -> dict:
-    run_dir = Path(HydraConfig.get().runtime.output_dir)
+def main(cfg: DictConfig) -> float:
+    """Returns the final val accuracy: the objective a hyperparameter sweeper maximises."""
+    hydra_cfg = HydraConfig.get()
+    run_dir = Path(hydra_cfg.runtime.output_dir)
+    env = DistEnv.from_environ()
+    in_sweep = hydra_cfg.mode == RunMode.MULTIRUN
     try:
-        results = run(cfg, run_dir)
+        if env.under_torchrun and "optuna" in hydra_cfg.sweeper._target_:
+            raise ConfigError(
+                "hparams_search=optuna under torchrun would run a separate study on every rank: run "
+                "`python train.py -m hparams_search=optuna strategy=ddp strategy.nproc_per_node=N` instead"
+            )
+        if cfg.strategy.name == "ddp" and not env.under_torchrun and cfg.strategy.nproc_per_node > 0:
+            nproc = cfg.strategy.nproc_per_node
+            validate(cfg, under_torchrun=True, world_size=nproc)  # fail here, not in N workers
+            results = launch_workers(run, cfg, run_dir, hydra_cfg.job.name, nproc, cfg.strategy.max_restarts)
+        else:
+            results = run(cfg, run_dir)
     except ConfigError as error:
+        if in_sweep and not env.under_torchrun:
+            raise  # this job fails, the sweep goes on, and its summary says why
         print(f"error: {error}", file=sys.stderr)
         sys.exit(1)
-    if DistEnv.from_environ().is_main:
+    except Exception:
+        if in_sweep and env.under_torchrun:
+            # Hydra would raise only after the whole batch of jobs, leaving the other ranks waiting in
+            # collectives of the next job: end the sweep now (torchrun then stops the other ranks).
+            log.exception("sweep job %d (%s) failed; stopping the sweep", hydra_cfg.job.num, " ".join(hydra_cfg.overrides.task))
+            sys.exit(1)
+        raise
+    if env.is_main:
         log.info("run dir: %s", run_dir)
         log.info("results: %s", {k: round(v, 4) if isinstance(v, float) else v for k, v in results.items()})
         log.info("tensorboard: tensorboard --logdir %s  (or: make tensorboard)", run_dir)
-    return results
+    return results["val_accuracy"]
 
 
 if __name__ == "__main__":

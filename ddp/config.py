@@ -19,6 +19,8 @@ class StrategyConfig:
     timeout_s: float = 1800.0  # process-group timeout; a rank stuck in a collective fails after this
     bucket_cap_mb: float = 25.0  # DDP gradient bucket size
     find_unused_parameters: bool = False  # only needed for models with conditional branches
+    nproc_per_node: int = 0  # ddp without torchrun: start this many local workers (0: launch with torchrun)
+    max_restarts: int = 0  # self-launched workers: restarts of the whole group after a failure, as torchrun's
 
 
 @dataclass
@@ -210,11 +212,13 @@ def validate(cfg: Any, *, under_torchrun: bool, world_size: int) -> None:
         _check(rank < 0 or cfg.fault.at_step >= 1, f"fault.{key}={rank} needs fault.at_step >= 1")
     if cfg.resume not in (None, "auto"):
         _check(Path(cfg.resume).exists(), f"resume={cfg.resume}: not found; pass a run dir, a checkpoint file, or resume=auto")
+    _check(cfg.strategy.nproc_per_node >= 0, f"strategy.nproc_per_node={cfg.strategy.nproc_per_node}: must be >= 0")
+    _check(cfg.strategy.max_restarts >= 0, f"strategy.max_restarts={cfg.strategy.max_restarts}: must be >= 0")
     if strategy == "ddp":
         _check(
-            under_torchrun,
+            under_torchrun or cfg.strategy.nproc_per_node >= 1,
             "strategy=ddp needs one process per device: launch it with "
-            "`torchrun --nproc_per_node=N train.py strategy=ddp ...`",
+            "`torchrun --nproc_per_node=N train.py strategy=ddp ...`, or add strategy.nproc_per_node=N",
         )
     else:
         _check(

@@ -1,7 +1,9 @@
 """Starting and stopping the process group."""
 
 import contextlib
+import itertools
 import logging
+import os
 from collections.abc import Iterator
 from datetime import timedelta
 
@@ -23,12 +25,35 @@ def resolve_backend(backend: str, cuda_available: bool) -> str:
     return backend
 
 
+_store: dist.Store | None = None
+_groups_started = itertools.count()
+
+
+def _group_store(env: DistEnv, timeout: timedelta) -> dist.Store:
+    """A fresh key space in one long-lived rendezvous store, for each process group of this process.
+
+    A sweep under torchrun starts one group per job on the same MASTER_PORT. Re-creating the store
+    each time fails when rank 0 hosts it (TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1), and reusing keys
+    left by an earlier group or attempt hangs. All ranks run the same job sequence, so the counter
+    names the same key space on every rank.
+    """
+    global _store
+    if _store is None:
+        # torchrun's agent hosts the store unless sharing it is disabled; then rank 0 hosts it.
+        agent_hosts = os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True"
+        _store = dist.TCPStore(env.master_addr, env.master_port, env.world_size,
+                               is_master=env.rank == 0 and not agent_hosts, timeout=timeout)
+    attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
+    return dist.PrefixStore(f"hydra_ddp/attempt{attempt}/group{next(_groups_started)}/", _store)
+
+
 @contextlib.contextmanager
 def process_group(backend: str, env: DistEnv, device: torch.device, timeout_s: float) -> Iterator[None]:
     """Run the body inside an initialised default process group, destroyed at the end."""
     if device.type == "cuda":
         torch.cuda.set_device(device)  # before init, or every rank's NCCL context lands on GPU 0
-    dist.init_process_group(backend, rank=env.rank, world_size=env.world_size, timeout=timedelta(seconds=timeout_s))
+    timeout = timedelta(seconds=timeout_s)
+    dist.init_process_group(backend, store=_group_store(env, timeout), rank=env.rank, world_size=env.world_size, timeout=timeout)
     log.info("process group up: backend=%s rank=%d world_size=%d", backend, env.rank, env.world_size)
     try:
         yield
@@ -48,16 +73,18 @@ def all_reduce_sum(tensor: torch.Tensor) -> torch.Tensor:
     return tensor
 
 
-def replicas_identical(module: torch.nn.Module) -> bool:
-    """Whether every rank holds bit-identical parameters and buffers; True for one process.
+def replicas_identical(module: torch.nn.Module, include_buffers: bool) -> bool:
+    """Whether every rank holds bit-identical parameters (and buffers); True for one process.
 
-    DDP keeps replicas equal only if every rank does the same math; a rank-dependent branch or
-    unsynchronised buffers make them drift silently. Checked once at the end of a run.
+    DDP keeps replicas equal only if every rank does the same math; a rank-dependent branch makes
+    them drift silently. Checked once at the end of a run. Buffers are only comparable with SyncBN:
+    plain BatchNorm updates its running stats from the local batch after DDP broadcast rank 0's.
     """
     if not (dist.is_available() and dist.is_initialized()):
         return True
+    tensors = module.state_dict().values() if include_buffers else module.parameters()
     # float64 holds every float32 and small-int value exactly, so max == min means bit-identical.
-    flat = torch.cat([t.detach().reshape(-1).double() for t in module.state_dict().values()])
+    flat = torch.cat([t.detach().reshape(-1).double() for t in tensors])
     highest, lowest = flat.clone(), flat.clone()
     dist.all_reduce(highest, op=dist.ReduceOp.MAX)
     dist.all_reduce(lowest, op=dist.ReduceOp.MIN)

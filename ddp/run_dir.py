@@ -60,15 +60,24 @@ def launch_time() -> float:
     return _agreed_launch_time()
 
 
+def _process_log_name(strategy: str, nproc_per_node: int) -> str:
+    """`rank<R>` for a training process; `launcher` for one that will start DDP workers itself."""
+    if "RANK" not in os.environ and strategy == "ddp" and nproc_per_node > 0:
+        return "launcher"
+    return f"rank{os.environ.get('RANK', '0')}"
+
+
 def register_resolvers() -> None:
     """`${launch_time:FORMAT}` for run and sweep dirs; `${resume_dir:RESUME,DEFAULT}` continues in the
-    run dir that `resume=` names; `${rank_zero_only:VALUE}` is null on other ranks."""
+    run dir that `resume=` names; `${rank_zero_only:VALUE}` is null on other ranks;
+    `${process_log_name:STRATEGY,NPROC}` names this process's log file."""
     OmegaConf.register_new_resolver(
         "launch_time", lambda fmt: datetime.fromtimestamp(launch_time()).strftime(fmt), replace=True
     )
     OmegaConf.register_new_resolver(
         "resume_dir", lambda resume, default: resume if resume and Path(resume).is_dir() else default, replace=True
     )
+    OmegaConf.register_new_resolver("process_log_name", _process_log_name, replace=True)
     OmegaConf.register_new_resolver(
         "rank_zero_only", lambda value: value if os.environ.get("RANK", "0") == "0" else None, replace=True
     )

@@ -33,8 +33,10 @@ def launch(args: list[str], cwd: Path, nproc: int | None = None, env: dict | Non
     else:
         command = [str(TORCHRUN), f"--nproc_per_node={nproc}", str(TRAIN), *args]
     clean = {k: v for k, v in os.environ.items() if k not in ("RANK", "LOCAL_RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")}
+    # As in the Makefile: gloo re-initialises reliably after torchrun restarts only without the shared store.
+    defaults = {"PYTHONUNBUFFERED": "1", "TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1"}
     return subprocess.run(
-        command, cwd=cwd, env=clean | {"PYTHONUNBUFFERED": "1"} | (env or {}),
+        command, cwd=cwd, env=clean | defaults | (env or {}),
         capture_output=True, text=True, timeout=timeout,
     )
 

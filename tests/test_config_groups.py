@@ -37,6 +37,7 @@ ALL_OPTIONS = [(group, option) for group, options in OPTIONS.items() for option 
 # `python train.py` with no overrides. Update this list deliberately when adding an option.
 DEFAULT_KEYS = {
     "strategy.name", "strategy.timeout_s", "strategy.bucket_cap_mb", "strategy.find_unused_parameters",
+    "strategy.nproc_per_node", "strategy.max_restarts",
     "model._target_", "model.channels", "model.dropout",
     "data._target_", "data.batch_size", "data.num_workers", "data.val_fraction", "data.split_seed",
     "optim._target_", "optim.lr", "optim.momentum", "optim.weight_decay", "optim.nesterov",
@@ -49,9 +50,9 @@ DEFAULT_KEYS = {
 
 # The keys each option adds to its group. Update this list deliberately when adding an option.
 OPTION_KEYS = {
-    ("strategy", "single"): {"name", "timeout_s", "bucket_cap_mb", "find_unused_parameters"},
-    ("strategy", "dp"): {"name", "timeout_s", "bucket_cap_mb", "find_unused_parameters"},
-    ("strategy", "ddp"): {"name", "timeout_s", "bucket_cap_mb", "find_unused_parameters"},
+    ("strategy", "single"): {"name", "timeout_s", "bucket_cap_mb", "find_unused_parameters", "nproc_per_node", "max_restarts"},
+    ("strategy", "dp"): {"name", "timeout_s", "bucket_cap_mb", "find_unused_parameters", "nproc_per_node", "max_restarts"},
+    ("strategy", "ddp"): {"name", "timeout_s", "bucket_cap_mb", "find_unused_parameters", "nproc_per_node", "max_restarts"},
     ("model", "small_cnn"): {"_target_", "channels", "dropout"},
     ("model", "resnet18"): {"_target_", "small_input"},
     ("data", "digits"): {"_target_", "batch_size", "num_workers", "val_fraction", "split_seed"},

@@ -70,10 +70,11 @@ def test_ddp_checkpoint_loads_strictly_into_single_and_dataparallel_models(ddp_r
     torch.testing.assert_close(single.eval()(images), dataparallel.eval()(images), rtol=0, atol=0)
 
 
-def test_ranks_agree_on_the_run_dir_without_a_shared_store(tmp_path):
-    """TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1 (needed for gloo restarts) takes the other agreement path."""
+def test_ranks_agree_on_the_run_dir_with_torchruns_shared_store(tmp_path):
+    """torchrun's default (a store shared with the workers) takes the other agreement path than the
+    TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1 that the other tests use."""
     result = launch(["strategy=ddp", *TINY, "trainer.max_epochs=1"], tmp_path, nproc=2,
-                    env={"TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1"})
+                    env={"TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "0"})
     check(result)
     (run_dir,) = run_dirs(tmp_path)
     assert sorted(p.name for p in run_dir.glob("train_rank*.log")) == ["train_rank0.log", "train_rank1.log"]

@@ -1,0 +1,52 @@
+"""Self-launched DDP: `python train.py strategy=ddp strategy.nproc_per_node=N` starts its own worker
+group through PyTorch's elastic launcher (the engine behind torchrun), one group per Hydra job."""
+
+import logging
+import os
+import sys
+import uuid
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+from omegaconf import DictConfig, OmegaConf
+from torch.distributed.launcher.api import LaunchConfig, elastic_launch
+
+log = logging.getLogger(__name__)
+
+# The same line format as hydra.job_logging in conf/config.yaml: spawned workers have no Hydra logging.
+LOG_FORMAT = "[%(asctime)s][rank {rank}][%(name)s][%(levelname)s] %(message)s"
+
+
+def launch_workers(run: Callable, cfg: DictConfig, run_dir: Path, job_name: str, nproc: int, max_restarts: int) -> dict[str, Any]:
+    """Run `run(cfg, run_dir)` on `nproc` local worker processes and return rank 0's result."""
+    launch_config = LaunchConfig(
+        min_nodes=1,
+        max_nodes=1,
+        nproc_per_node=nproc,
+        run_id=f"hydra-ddp-{uuid.uuid4().hex[:12]}",
+        rdzv_backend="c10d",  # elastic_launch defaults to etcd
+        rdzv_endpoint="localhost:0",  # a free port for every job of a sweep
+        max_restarts=max_restarts,  # elastic_launch defaults to 3, torchrun to 0
+        start_method="spawn",
+        monitor_interval=0.5,
+    )
+    # torchrun sets this too: N processes each using every core would oversubscribe the CPU.
+    os.environ.setdefault("OMP_NUM_THREADS", "1")
+    log.info("starting %d DDP workers (run id %s)", nproc, launch_config.run_id)
+    # The config crosses the process boundary as a plain, resolved container; the workers all get
+    # the same values (a sweeper's samples included) and the same run dir.
+    container = OmegaConf.to_container(cfg, resolve=True)
+    returns = elastic_launch(launch_config, _worker)(run, container, str(run_dir), job_name)
+    return returns[0]
+
+
+def _worker(run: Callable, container: dict, run_dir: str, job_name: str) -> dict[str, Any]:
+    rank = int(os.environ["RANK"])
+    logging.basicConfig(
+        level=logging.INFO,
+        format=LOG_FORMAT.format(rank=rank),
+        handlers=[logging.StreamHandler(sys.stdout), logging.FileHandler(Path(run_dir) / f"{job_name}_rank{rank}.log")],
+        force=True,
+    )
+    return run(OmegaConf.create(container), Path(run_dir))
