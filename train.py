@@ -8,6 +8,7 @@
 import contextlib
 import logging
 import os
+import random
 import resource
 import sys
 import time
@@ -25,8 +26,8 @@ from omegaconf import DictConfig, OmegaConf
 from torch.distributed.elastic.multiprocessing.errors import record
 from tqdm import tqdm
 
-from ddp.checkpoint import save_step_checkpoint
 from data import build_datasets
+from ddp.checkpoint import save_step_checkpoint
 from ddp.config import ConfigError, register_configs, validate
 from ddp.env import DistEnv, select_device
 from ddp.faults import inject_fault
@@ -37,6 +38,7 @@ from ddp.process_group import all_reduce_sum, process_group, replicas_identical,
 from ddp.rank_zero import RankZeroWriter, quiet_console_on_other_ranks, write_json
 from ddp.resume import capture_rank_state, find_resume_checkpoint, gather_rank_states, load_model_state, restore_rank_state
 from ddp.run_dir import register_resolvers
+from ddp.sweep_summary import record_failed_job
 from ddp.syncbn import convert_syncbn
 from ddp.wrap import unwrap_model, wrap_model
 
@@ -152,6 +154,7 @@ def fit(cfg: DictConfig, env: DistEnv, device: torch.device, splits, model, resu
 
     position, rank_state = Position(), None
     torch.manual_seed(cfg.seed + env.rank)  # per-rank randomness (dropout) from here on
+    random.seed(cfg.seed + env.rank)
     if resumed:
         checkpoint_path, checkpoint = resumed
         optimizer.load_state_dict(checkpoint["optimizer"])
@@ -196,8 +199,10 @@ def fit(cfg: DictConfig, env: DistEnv, device: torch.device, splits, model, resu
     sigterm = StopOnSigterm()
     saved = {"step": position.global_step if resumed else -1}
     throughput = {"samples": 0, "since": time.perf_counter()}
-    progress = tqdm(total=total_steps(len(train_loader), trainer), initial=position.global_step, desc="train",
-                    disable=not (env.is_main and sys.stderr.isatty()))
+    batches_per_epoch = len(train_loader) if trainer.limit_train_batches == -1 else min(len(train_loader), trainer.limit_train_batches)
+    total_steps = batches_per_epoch * trainer.max_epochs
+    total_steps = total_steps if trainer.max_steps == -1 else min(total_steps, trainer.max_steps)
+    progress = tqdm(total=total_steps, initial=position.global_step, desc="train", disable=not (env.is_main and sys.stderr.isatty()))
 
     def after_step(global_samples: int, epoch_ends: bool) -> None:
         progress.update(1)
@@ -216,7 +221,6 @@ def fit(cfg: DictConfig, env: DistEnv, device: torch.device, splits, model, resu
 
     started = time.perf_counter()
     metrics: dict[str, float] = {}
-    batches_per_epoch = len(train_loader) if trainer.limit_train_batches == -1 else min(len(train_loader), trainer.limit_train_batches)
     while position.epoch < trainer.max_epochs and position.global_step != trainer.max_steps:
         epoch_started = time.perf_counter()
         start_epoch(train_loader, position.epoch, cfg.seed, env.rank)
@@ -270,12 +274,6 @@ def fit(cfg: DictConfig, env: DistEnv, device: torch.device, splits, model, resu
     return results
 
 
-def total_steps(batches_in_loader: int, trainer_cfg) -> int:
-    per_epoch = batches_in_loader if trainer_cfg.limit_train_batches == -1 else min(batches_in_loader, trainer_cfg.limit_train_batches)
-    total = per_epoch * trainer_cfg.max_epochs
-    return total if trainer_cfg.max_steps == -1 else min(total, trainer_cfg.max_steps)
-
-
 def hparams_of(cfg: DictConfig, world_size: int) -> dict:
     return {
         "strategy": cfg.strategy.name,
@@ -310,11 +308,6 @@ def main(cfg: DictConfig) -> float:
     env = DistEnv.from_environ()
     in_sweep = hydra_cfg.mode == RunMode.MULTIRUN
     try:
-        if env.under_torchrun and "optuna" in hydra_cfg.sweeper._target_:
-            raise ConfigError(
-                "hparams_search=optuna under torchrun would run a separate study on every rank: run "
-                "`python train.py -m hparams_search=optuna strategy=ddp strategy.nproc_per_node=N` instead"
-            )
         if cfg.strategy.name == "ddp" and not env.under_torchrun and cfg.strategy.nproc_per_node > 0:
             nproc = cfg.strategy.nproc_per_node
             validate(cfg, under_torchrun=True, world_size=nproc)  # fail here, not in N workers
@@ -331,6 +324,7 @@ def main(cfg: DictConfig) -> float:
             # Hydra would raise only after the whole batch of jobs, leaving the other ranks waiting in
             # collectives of the next job: end the sweep now (torchrun then stops the other ranks).
             log.exception("sweep job %d (%s) failed; stopping the sweep", hydra_cfg.job.num, " ".join(hydra_cfg.overrides.task))
+            record_failed_job(hydra_cfg, cfg, sys.exc_info()[1])
             sys.exit(1)
         raise
     if env.is_main:

@@ -39,6 +39,10 @@ def save_checkpoint(state: dict[str, Any], path: Path) -> None:
             f.flush()
             os.fsync(f.fileno())
         os.replace(tmp_name, path)
+    except RuntimeError as error:  # torch hides the errno ("unexpected pos ..." on a full disk)
+        Path(tmp_name).unlink(missing_ok=True)
+        free_mb = shutil.disk_usage(path.parent).free / 2**20
+        raise RuntimeError(f"saving {path} failed, the previous checkpoint is intact ({free_mb:.0f} MB free): {error}") from error
     except BaseException:
         Path(tmp_name).unlink(missing_ok=True)
         raise

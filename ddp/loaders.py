@@ -1,5 +1,6 @@
 """Samplers and DataLoaders: shuffled shards for training, exact unpadded shards for evaluation."""
 
+import signal
 from collections.abc import Callable, Iterator
 
 import torch
@@ -30,6 +31,12 @@ class ShardSampler(Sampler[int]):
         return len(self.indices)
 
 
+def ignore_sigterm(worker_id: int) -> None:
+    """torchrun stops a rank with a SIGTERM to its whole process group; the rank's loader workers
+    must outlive it until the rank has saved its checkpoint (they exit with the rank anyway)."""
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
+
+
 def build_train_loader(dataset: Dataset, data_cfg, env: DistEnv, seed: int, pin_memory: bool) -> DataLoader:
     """Every strategy shards with DistributedSampler (one replica for single/dp), so the order of
     samples depends only on the seed and the global batch. Call `start_epoch` every epoch.
@@ -44,6 +51,7 @@ def build_train_loader(dataset: Dataset, data_cfg, env: DistEnv, seed: int, pin_
         sampler=sampler,
         num_workers=data_cfg.num_workers,
         pin_memory=pin_memory,
+        worker_init_fn=ignore_sigterm,
         # Its own generator, so the loader never draws from the global RNG (see the README on resume).
         generator=torch.Generator(),
     )
@@ -57,6 +65,7 @@ def build_val_loader(dataset: Dataset, data_cfg, env: DistEnv, pin_memory: bool)
         num_workers=data_cfg.num_workers,
         pin_memory=pin_memory,
         persistent_workers=data_cfg.num_workers > 0,
+        worker_init_fn=ignore_sigterm,
         generator=torch.Generator(),
     )
 

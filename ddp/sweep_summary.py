@@ -1,9 +1,11 @@
-"""A Hydra callback that writes summary.csv and summary.md into a multirun's sweep dir (rank 0)."""
+"""Hydra callbacks for sweeps: a summary (summary.csv, summary.md) in the sweep dir, written by rank 0,
+and the refusal of an Optuna search under torchrun."""
 
+import atexit
 import csv
 import json
-import logging
 import os
+import sys
 from pathlib import Path
 from typing import Any
 
@@ -12,51 +14,74 @@ from hydra.experimental.callback import Callback
 from hydra.types import RunMode
 from omegaconf import DictConfig
 
-log = logging.getLogger(__name__)
-
 COLUMNS = [
     "job", "overrides", "world_size", "batch_size", "global_batch_size",
     "val_loss", "val_accuracy", "samples_per_s", "wall_s", "status", "best",
 ]
 
+# One sweep per process: the rows so far, and where they go.
+_rows: list[dict[str, Any]] = []
+_sweep_dir: list[Path] = []
+
+
+def _is_rank_zero() -> bool:
+    return os.environ.get("RANK", "0") == "0"
+
 
 class SweepSummary(Callback):
-    """Rewrites the summary after every job, so it exists even if the sweep stops early."""
-
-    def __init__(self) -> None:
-        self.rows: list[dict[str, Any]] = []
+    """Rewrites the summary after every job, so it exists even if the sweep stops early; prints it at
+    the end, or at exit when a failed job made Hydra stop before the end."""
 
     def on_job_end(self, config: DictConfig, job_return: JobReturn, **kwargs: Any) -> None:
-        if config.hydra.mode != RunMode.MULTIRUN or os.environ.get("RANK", "0") != "0":
+        if config.hydra.mode != RunMode.MULTIRUN or not _is_rank_zero():
             return
-        self.rows.append(summary_row(config, job_return))
-        write_summary(self.rows, Path(config.hydra.sweep.dir))
+        job_dir = Path(config.hydra.runtime.output_dir)
+        failure = None if job_return.status == JobStatus.COMPLETED else job_return._return_value
+        _add_row(summary_row(config.hydra.job.num, job_return.overrides, config, job_dir, failure), Path(config.hydra.sweep.dir))
 
     def on_multirun_end(self, config: DictConfig, **kwargs: Any) -> None:
-        if self.rows and os.environ.get("RANK", "0") == "0":
-            sweep_dir = Path(config.hydra.sweep.dir)
-            print(f"\nsweep summary ({sweep_dir / 'summary.csv'}):\n" + (sweep_dir / "summary.md").read_text(), flush=True)
+        print_summary()
 
 
-def summary_row(config: DictConfig, job_return: JobReturn) -> dict[str, Any]:
-    world_size = config.strategy.nproc_per_node if config.strategy.name == "ddp" else 1
-    world_size = int(os.environ.get("WORLD_SIZE", world_size or 1))
+def record_failed_job(hydra_cfg: DictConfig, cfg: DictConfig, error: BaseException) -> None:
+    """For a job that ends the sweep with SystemExit, which Hydra's job-end callbacks never see."""
+    if hydra_cfg.mode == RunMode.MULTIRUN and _is_rank_zero():
+        row = summary_row(hydra_cfg.job.num, hydra_cfg.overrides.task, cfg, Path(hydra_cfg.runtime.output_dir), error)
+        _add_row(row, Path(hydra_cfg.sweep.dir))
+
+
+def summary_row(job_num: int, overrides, cfg: DictConfig, job_dir: Path, failure: BaseException | None) -> dict[str, Any]:
+    world_size = int(os.environ.get("WORLD_SIZE", cfg.strategy.nproc_per_node if cfg.strategy.name == "ddp" else 1))
     row = {
-        "job": config.hydra.job.num,
-        "overrides": " ".join(job_return.overrides or []),
+        "job": job_num,
+        "overrides": " ".join(overrides or []),
         "world_size": world_size,
-        "batch_size": config.data.batch_size,
-        "global_batch_size": config.data.batch_size * world_size,
+        "batch_size": cfg.data.batch_size,
+        "global_batch_size": cfg.data.batch_size * world_size,
     }
-    results_file = Path(config.hydra.runtime.output_dir) / "results.json"
-    if job_return.status == JobStatus.COMPLETED and results_file.is_file():
+    results_file = job_dir / "results.json"
+    if failure is None and results_file.is_file():
         results = json.loads(results_file.read_text())
         row |= {key: results.get(key) for key in ("world_size", "global_batch_size", "val_loss", "val_accuracy", "samples_per_s", "wall_s")}
         row["status"] = "ok"
     else:
-        reason = str(job_return._return_value).strip().splitlines() or ["unknown error"]
-        row["status"] = f"failed: {type(job_return._return_value).__name__}: {reason[0]}"
+        reason = str(failure).strip().splitlines() or ["no results.json"]
+        row["status"] = f"failed: {type(failure).__name__}: {reason[0]}"
     return row
+
+
+def _add_row(row: dict[str, Any], sweep_dir: Path) -> None:
+    if not _sweep_dir:
+        _sweep_dir.append(sweep_dir)
+        atexit.register(print_summary)
+    _rows.append(row)
+    write_summary(_rows, sweep_dir)
+
+
+def print_summary() -> None:
+    if _rows and _sweep_dir:
+        sweep_dir = _sweep_dir.pop()
+        print(f"\nsweep summary ({sweep_dir / 'summary.csv'}):\n" + (sweep_dir / "summary.md").read_text(), flush=True)
 
 
 def write_summary(rows: list[dict[str, Any]], sweep_dir: Path) -> None:
@@ -80,3 +105,17 @@ def _cell(value: Any) -> str:
     if value is True:
         return "*"
     return "" if value is None or value is False else str(value).replace("|", "\\|")
+
+
+class RefuseOptunaUnderTorchrun(Callback):
+    """Under torchrun every rank would run its own Optuna study, sampling different values."""
+
+    def on_multirun_start(self, config: DictConfig, **kwargs: Any) -> None:
+        if "RANK" in os.environ and "optuna" in config.hydra.sweeper._target_:
+            if _is_rank_zero():
+                print(
+                    "error: hparams_search=optuna under torchrun would run a separate study on every rank: run "
+                    "`python train.py -m hparams_search=optuna strategy=ddp strategy.nproc_per_node=N` instead",
+                    file=sys.stderr,
+                )
+            sys.exit(1)

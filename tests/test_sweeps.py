@@ -1,0 +1,271 @@
+"""Hydra multiruns (`-m`) with real processes (CPU, gloo): plain, self-launched DDP, under torchrun,
+with failing jobs, and an Optuna search; the sweep dir layout and its summary.csv / summary.md."""
+
+import csv
+import json
+import re
+import time
+from pathlib import Path
+
+import pytest
+import yaml
+from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+from tensorboard.plugins.hparams import plugin_data_pb2
+
+from conftest import check, launch, run_dirs
+
+# One epoch of a narrow small_cnn on 128 tiny synthetic images: each job costs process start-up only.
+SMALL = [
+    "data=synthetic",
+    "data.num_samples=128",
+    "data.num_val_samples=37",
+    "data.image_size=8",
+    "model.channels=[8,16]",
+    "trainer.max_epochs=1",
+]
+BATCH_SIZES = (16, 32)
+SWEEP_BATCH = f"data.batch_size={','.join(map(str, BATCH_SIZES))}"
+# results.json keys that summary.csv copies, exactly (csv writes floats with repr).
+SUMMARY_METRICS = ("world_size", "global_batch_size", "val_loss", "val_accuracy", "samples_per_s", "wall_s")
+OPTUNA_REFUSAL = (
+    "error: hparams_search=optuna under torchrun would run a separate study on every rank: run "
+    "`python train.py -m hparams_search=optuna strategy=ddp strategy.nproc_per_node=N` instead"
+)
+
+
+def output(result) -> str:
+    return result.stdout + result.stderr
+
+
+def the_sweep_dir(cwd: Path) -> Path:
+    sweep_dirs = [p for p in (cwd / "outputs" / "multirun").iterdir() if p.is_dir()]
+    assert len(sweep_dirs) == 1, sweep_dirs
+    return sweep_dirs[0]
+
+
+def job_dirs(sweep_dir: Path) -> list[Path]:
+    return sorted((p for p in sweep_dir.iterdir() if p.is_dir()), key=lambda p: int(p.name))
+
+
+def summary_rows(sweep_dir: Path) -> list[dict]:
+    with open(sweep_dir / "summary.csv", newline="") as f:
+        return list(csv.DictReader(f))
+
+
+def results_of(job_dir: Path) -> dict:
+    return json.loads((job_dir / "results.json").read_text())
+
+
+def session_hparams(job_dir: Path) -> dict:
+    """The hparams of the run's HParams session, read from the events files directly in job_dir."""
+    events = EventAccumulator(str(job_dir))
+    events.Reload()
+    content = events.PluginTagToContent("hparams")
+    start = plugin_data_pb2.HParamsPluginData.FromString(content["_hparams_/session_start_info"]).session_start_info
+    return {key: value.number_value if value.HasField("number_value") else value.string_value
+            for key, value in start.hparams.items()}
+
+
+def rank_log_line(job_dir: Path, rank: int) -> dict:
+    """The run-start line of one rank's log: strategy=ddp world_size=2 ... batch_size=B global_batch=G lr=L."""
+    text = (job_dir / f"train_rank{rank}.log").read_text()
+    (match,) = re.finditer(r"\[rank (\d+)\]\[train\]\[INFO\] strategy=(\S+) world_size=(\d+) device=\S+ "
+                           r"batch_size=(\d+) global_batch=(\d+) lr=(\S+) ", text)
+    logged_rank, strategy, world_size, batch_size, global_batch, lr = match.groups()
+    assert int(logged_rank) == rank
+    return {"strategy": strategy, "world_size": int(world_size), "batch_size": int(batch_size),
+            "global_batch": int(global_batch), "lr": float(lr)}
+
+
+def assert_summary_matches_jobs(sweep_dir: Path, world_size: int) -> list[dict]:
+    """One ok row per job, its batch sizes as swept, its metrics those of the job's results.json."""
+    rows = summary_rows(sweep_dir)
+    assert [row["job"] for row in rows] == ["0", "1"]
+    for row, batch_size, job_dir in zip(rows, BATCH_SIZES, job_dirs(sweep_dir), strict=True):
+        assert row["status"] == "ok", row
+        assert f"data.batch_size={batch_size}" in row["overrides"].split()
+        assert (int(row["world_size"]), int(row["batch_size"]), int(row["global_batch_size"])) == (
+            world_size, batch_size, world_size * batch_size)
+        results = results_of(job_dir)
+        for key in SUMMARY_METRICS:
+            expected = results[key]
+            assert (row[key] == "" if expected is None else float(row[key]) == expected), (key, row[key], expected)
+    assert sum(row["best"] == "True" for row in rows) == 1
+    return rows
+
+
+def assert_one_run_per_job_dir(cwd: Path, sweep_dir: Path, log_names: set[str]) -> None:
+    """Each job dir holds one run: rank 0's .hydra and events file, one log per process; nothing else
+    under outputs/ (torchrun's launch-time claims in outputs/.launches aside)."""
+    top = {p.name for p in (cwd / "outputs").iterdir()}
+    assert top - {".launches"} == {"multirun"}, top
+    assert all(p.is_file() for p in (cwd / "outputs" / ".launches").glob("*"))
+    assert [p.name for p in job_dirs(sweep_dir)] == ["0", "1"]
+    assert sorted(p.parent for p in cwd.rglob(".hydra")) == job_dirs(sweep_dir)
+    for job_dir in job_dirs(sweep_dir):
+        assert len(list(job_dir.rglob("events.out.tfevents*"))) == 1, job_dir
+        assert len(list(job_dir.glob("events.out.tfevents*"))) == 1, job_dir
+        assert {p.name for p in job_dir.glob("*.log")} == log_names, job_dir
+        for rank in (0, 1):
+            text = (job_dir / f"train_rank{rank}.log").read_text()
+            assert f"[rank {rank}]" in text and f"[rank {1 - rank}]" not in text
+    assert run_dirs(cwd) == job_dirs(sweep_dir)
+
+
+# --- 1. plain multirun -------------------------------------------------------------------------
+
+@pytest.fixture(scope="module")
+def single_sweep(tmp_path_factory):
+    cwd = tmp_path_factory.mktemp("single_sweep")
+    result = launch(["-m", "strategy=single", *SMALL, SWEEP_BATCH], cwd)
+    check(result)
+    return cwd, the_sweep_dir(cwd), result
+
+
+def test_single_sweep_has_a_job_dir_per_job_and_a_summary_row_per_job(single_sweep):
+    cwd, sweep_dir, result = single_sweep
+    assert [p.name for p in job_dirs(sweep_dir)] == ["0", "1"]
+    for job_dir in job_dirs(sweep_dir):
+        assert (job_dir / "results.json").is_file() and (job_dir / ".hydra" / "config.yaml").is_file()
+    assert_summary_matches_jobs(sweep_dir, world_size=1)
+
+
+def test_single_sweep_prints_its_summary(single_sweep):
+    _, sweep_dir, result = single_sweep
+    table = (sweep_dir / "summary.md").read_text()
+    assert "| job | overrides |" in table and "\nbest: job " in table
+    assert table in result.stdout
+    assert result.stdout.count("sweep summary (") == 1
+
+
+def test_single_sweep_jobs_each_log_their_hparams_in_the_job_dir(single_sweep):
+    _, sweep_dir, _ = single_sweep
+    assert [p for p in sweep_dir.rglob("events.out.tfevents*") if p.parent.parent != sweep_dir] == []
+    for job_dir, batch_size in zip(job_dirs(sweep_dir), BATCH_SIZES, strict=True):
+        hparams = session_hparams(job_dir)
+        assert hparams["strategy"] == "single"
+        assert (hparams["batch_size"], hparams["global_batch_size"], hparams["world_size"]) == (batch_size, batch_size, 1)
+
+
+# --- 2. multirun of self-launched DDP ----------------------------------------------------------
+
+def test_self_launched_ddp_sweep_one_run_per_job_with_the_global_batch(tmp_path):
+    result = launch(["-m", "strategy=ddp", "strategy.nproc_per_node=2", *SMALL, SWEEP_BATCH], tmp_path)
+    check(result)
+    sweep_dir = the_sweep_dir(tmp_path)
+    assert_summary_matches_jobs(sweep_dir, world_size=2)
+    assert_one_run_per_job_dir(tmp_path, sweep_dir, {"train_launcher.log", "train_rank0.log", "train_rank1.log"})
+    for job_dir, batch_size in zip(job_dirs(sweep_dir), BATCH_SIZES, strict=True):
+        hparams = session_hparams(job_dir)
+        assert (hparams["world_size"], hparams["global_batch_size"]) == (2, 2 * batch_size)
+        assert "starting 2 DDP workers" in (job_dir / "train_launcher.log").read_text()
+    assert (sweep_dir / "summary.md").read_text() in result.stdout
+
+
+# --- 3. multirun under torchrun ----------------------------------------------------------------
+
+def test_torchrun_sweep_ranks_share_one_sweep_dir_and_one_summary(tmp_path):
+    result = launch(["-m", "strategy=ddp", *SMALL, SWEEP_BATCH], tmp_path, nproc=2)
+    check(result)
+    sweep_dir = the_sweep_dir(tmp_path)  # both ranks resolved the same sweep dir
+    assert_summary_matches_jobs(sweep_dir, world_size=2)
+    assert_one_run_per_job_dir(tmp_path, sweep_dir, {"train_rank0.log", "train_rank1.log"})
+    assert [p.parent for p in tmp_path.rglob("summary.csv")] == [sweep_dir]
+    assert result.stdout.count("sweep summary (") == 1
+    assert (sweep_dir / "summary.md").read_text() in result.stdout
+
+
+# --- 4. a failing job under torchrun -----------------------------------------------------------
+
+def test_torchrun_sweep_stops_fast_when_a_job_fails_on_one_rank(tmp_path):
+    started = time.monotonic()
+    result = launch(["-m", "strategy=ddp", *SMALL, "data.batch_size=16", "fault.at_step=2", "fault.raise_rank=-1,1,-1"],
+                    tmp_path, nproc=2, timeout=120)
+    wall_s = time.monotonic() - started
+    text = output(result)
+    assert result.returncode != 0, text[-4000:]
+    assert wall_s < 60, f"the failed sweep took {wall_s:.0f} s to end"
+    failures = re.findall(r"sweep job (\d+) \(([^)]*)\) failed; stopping the sweep", text)
+    assert failures, text[-4000:]
+    assert {job for job, _ in failures} == {"1"}
+    assert all("fault.raise_rank=1" in overrides.split() for _, overrides in failures)
+    assert "RuntimeError: injected fault: fault.raise_rank=1 at step 2" in text
+    assert "Root Cause" in result.stderr
+    sweep_dir = the_sweep_dir(tmp_path)
+    assert (sweep_dir / "0" / "results.json").is_file()  # the job before the failure finished
+    assert not (sweep_dir / "2").exists()  # the sweep stopped at the failing job
+
+
+# --- 5. a failing job in a plain multirun ------------------------------------------------------
+
+def test_plain_sweep_runs_the_other_jobs_and_reports_the_failed_one(tmp_path):
+    result = launch(["-m", "strategy=single", *SMALL, "data.batch_size=0,16"], tmp_path)
+    text = output(result)
+    assert result.returncode != 0, text[-4000:]
+    assert "data.batch_size=0: must be > 0" in text
+    sweep_dir = the_sweep_dir(tmp_path)
+    failed, ok = summary_rows(sweep_dir)
+    assert failed["job"] == "0" and "data.batch_size=0" in failed["overrides"].split()
+    assert failed["status"].startswith("failed:") and "data.batch_size" in failed["status"], failed
+    assert failed["val_accuracy"] == "" and failed["best"] == "False"
+    assert ok["job"] == "1" and "data.batch_size=16" in ok["overrides"].split()
+    assert ok["status"] == "ok" and ok["best"] == "True"
+    assert float(ok["val_accuracy"]) == results_of(sweep_dir / "1")["val_accuracy"]
+    assert not (sweep_dir / "0" / "results.json").exists()
+
+
+# --- 6. Optuna search over self-launched DDP ---------------------------------------------------
+
+def test_optuna_search_over_ddp_trials_every_rank_trains_the_sampled_values(tmp_path):
+    result = launch(["-m", "hparams_search=optuna", "hydra.sweeper.n_trials=2", "strategy=ddp",
+                     "strategy.nproc_per_node=2", *SMALL], tmp_path)
+    check(result)
+    sweep_dir = the_sweep_dir(tmp_path)
+    rows = summary_rows(sweep_dir)
+    assert [row["job"] for row in rows] == ["0", "1"]
+    assert [p.name for p in job_dirs(sweep_dir)] == ["0", "1"]
+    for row, job_dir in zip(rows, job_dirs(sweep_dir), strict=True):
+        assert row["status"] == "ok", row
+        rank0, rank1 = rank_log_line(job_dir, 0), rank_log_line(job_dir, 1)
+        assert rank0 == rank1, (job_dir, rank0, rank1)
+        assert (rank0["strategy"], rank0["world_size"]) == ("ddp", 2)
+        sampled = dict(item.split("=", 1) for item in row["overrides"].split())
+        assert rank0["batch_size"] == int(sampled["data.batch_size"]) == int(row["batch_size"])
+        assert rank0["global_batch"] == 2 * rank0["batch_size"] == int(row["global_batch_size"])
+        assert rank0["lr"] == pytest.approx(float(sampled["optim.lr"]), rel=1e-5)  # logged with %g
+        assert float(row["val_accuracy"]) == results_of(job_dir)["val_accuracy"]
+
+    (best,) = [row for row in rows if row["best"] == "True"]
+    assert float(best["val_accuracy"]) == max(float(row["val_accuracy"]) for row in rows)
+    best_line = f"best: job {best['job']} ("
+    assert best_line in (sweep_dir / "summary.md").read_text() and best_line in result.stdout
+    optuna_results = yaml.safe_load((sweep_dir / "optimization_results.yaml").read_text())
+    assert optuna_results["best_value"] == pytest.approx(float(best["val_accuracy"]), rel=1e-12)
+
+
+# --- 7. Optuna under torchrun ------------------------------------------------------------------
+
+def test_optuna_under_torchrun_is_refused_before_training(tmp_path):
+    result = launch(["-m", "hparams_search=optuna", "hydra.sweeper.n_trials=2", "strategy=ddp", *SMALL],
+                    tmp_path, nproc=2, timeout=120)
+    assert result.returncode != 0
+    assert OPTUNA_REFUSAL in result.stderr, output(result)[-4000:]
+    assert list(tmp_path.rglob("events.out.tfevents*")) == []
+    assert list(tmp_path.rglob("results.json")) == []
+    assert list(tmp_path.rglob("*.pt")) == []
+
+
+# --- 8. self-launched DDP without -m -----------------------------------------------------------
+
+def test_self_launched_ddp_single_run(tmp_path):
+    result = launch(["strategy=ddp", "strategy.nproc_per_node=2", "syncbn=true", *SMALL, "data.batch_size=16"], tmp_path)
+    check(result)
+    (run_dir,) = run_dirs(tmp_path)
+    assert not (tmp_path / "outputs" / "multirun").exists()
+    assert [p.parent for p in tmp_path.rglob(".hydra")] == [run_dir]
+    assert {p.name for p in run_dir.glob("*.log")} == {"train_launcher.log", "train_rank0.log", "train_rank1.log"}
+    assert [p.parent for p in tmp_path.rglob("events.out.tfevents*")] == [run_dir]
+    results = results_of(run_dir)
+    assert (results["strategy"], results["world_size"], results["global_batch_size"]) == ("ddp", 2, 32)
+    assert results["replicas_identical"] is True
+    assert rank_log_line(run_dir, 0) == rank_log_line(run_dir, 1)
