@@ -100,7 +100,6 @@ def evaluate(model, loader, device, limit_batches: int) -> dict[str, float]:
     return {"val_loss": loss_sum / count, "val_accuracy": correct / count, "val_samples": int(count)}
 
 
-@record  # a failing rank's traceback reaches torchrun's error summary (Hydra would swallow it)
 def run(cfg: DictConfig, run_dir: Path) -> dict:
     """The whole run; returns the final metrics (also written to run_dir/results.json on rank 0)."""
     # resolve env and check the config before anything starts or is written
@@ -124,18 +123,11 @@ def run(cfg: DictConfig, run_dir: Path) -> dict:
     if resumed:
         load_model_state(model, resumed[1]["model"], resumed[0])
 
-    try:
-        with process_group(backend, env, device, cfg.strategy.timeout_s) if distributed else contextlib.nullcontext():
-            return fit(cfg, env, device, splits, model, resumed, run_dir)
-    except RuntimeError as error:  # torch's DistBackendError included
-        if distributed and "timed out" in str(error).lower():
-            raise RuntimeError(
-                f"a collective timed out after strategy.timeout_s={cfg.strategy.timeout_s:g}: "
-                f"a rank stalled or skipped a collective ({str(error).strip().splitlines()[0]})"
-            ) from error
-        raise
+    with process_group(backend, env, device, cfg.strategy.timeout_s) if distributed else contextlib.nullcontext():
+        return fit(cfg, env, device, splits, model, resumed, run_dir)
 
 
+@record  # a failing rank's traceback reaches torchrun's error summary (Hydra would swallow it)
 def fit(cfg: DictConfig, env: DistEnv, device: torch.device, splits, model, resumed, run_dir: Path) -> dict:
     world_size, trainer = env.world_size, cfg.trainer
     pin_memory = device.type == "cuda"

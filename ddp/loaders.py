@@ -1,6 +1,6 @@
 """Samplers and DataLoaders: shuffled shards for training, exact unpadded shards for evaluation."""
 
-import signal
+import os
 from collections.abc import Callable, Iterator
 
 import torch
@@ -31,10 +31,11 @@ class ShardSampler(Sampler[int]):
         return len(self.indices)
 
 
-def ignore_sigterm(worker_id: int) -> None:
-    """torchrun stops a rank with a SIGTERM to its whole process group; the rank's loader workers
-    must outlive it until the rank has saved its checkpoint (they exit with the rank anyway)."""
-    signal.signal(signal.SIGTERM, signal.SIG_IGN)
+def leave_rank_process_group(worker_id: int) -> None:
+    """torchrun stops a rank with a SIGTERM to the rank's whole process group. A loader worker that
+    died of it would fail the rank before it saves its checkpoint; out of that group, the worker
+    stays until the rank shuts it down (or exits, which the worker notices)."""
+    os.setpgid(0, 0)
 
 
 def build_train_loader(dataset: Dataset, data_cfg, env: DistEnv, seed: int, pin_memory: bool) -> DataLoader:
@@ -51,7 +52,7 @@ def build_train_loader(dataset: Dataset, data_cfg, env: DistEnv, seed: int, pin_
         sampler=sampler,
         num_workers=data_cfg.num_workers,
         pin_memory=pin_memory,
-        worker_init_fn=ignore_sigterm,
+        worker_init_fn=leave_rank_process_group,
         # Its own generator, so the loader never draws from the global RNG (see the README on resume).
         generator=torch.Generator(),
     )
@@ -65,7 +66,7 @@ def build_val_loader(dataset: Dataset, data_cfg, env: DistEnv, pin_memory: bool)
         num_workers=data_cfg.num_workers,
         pin_memory=pin_memory,
         persistent_workers=data_cfg.num_workers > 0,
-        worker_init_fn=ignore_sigterm,
+        worker_init_fn=leave_rank_process_group,
         generator=torch.Generator(),
     )
 

@@ -1,7 +1,9 @@
 """SIGTERM (preemption, or torchrun stopping its workers): finish the step, save, then exit."""
 
 import logging
+import os
 import signal
+import threading
 
 import torch
 
@@ -10,17 +12,39 @@ from ddp.process_group import all_reduce_sum
 log = logging.getLogger(__name__)
 
 
+# torchrun force-kills 30 s after its SIGTERM: leave time to save once at a step boundary.
+STEP_BOUNDARY_GRACE_S = 20.0
+
+
 class StopOnSigterm:
-    """Records SIGTERM instead of dying at once, so the loop can checkpoint at a step boundary."""
+    """Records SIGTERM instead of dying at once, so the loop can checkpoint at a step boundary.
+
+    A rank that doesn't reach one in time (stalled, or blocked in a collective whose peer is gone)
+    exits with 143 rather than holding up the shutdown.
+    """
 
     def __init__(self):
         self.received = False
+        self.deadline: threading.Timer | None = None
         signal.signal(signal.SIGTERM, self._handle)
 
     def _handle(self, signum, frame) -> None:
         log.warning("SIGTERM received: saving a checkpoint after this step")
         self.received = True
+        if self.deadline is None:
+            self.deadline = threading.Timer(STEP_BOUNDARY_GRACE_S, self._give_up)
+            self.deadline.daemon = True
+            self.deadline.start()
+
+    @staticmethod
+    def _give_up() -> None:
+        log.error("SIGTERM: no step boundary within %.0f s, exiting without a checkpoint", STEP_BOUNDARY_GRACE_S)
+        logging.shutdown()
+        os._exit(143)
 
     def stop_now(self, device: torch.device) -> bool:
         """True on every rank as soon as any rank got the signal, so all stop at the same step."""
-        return all_reduce_sum(torch.tensor([float(self.received)], device=device)).item() > 0
+        stop = all_reduce_sum(torch.tensor([float(self.received)], device=device)).item() > 0
+        if stop and self.deadline is not None:
+            self.deadline.cancel()  # at the boundary now: the save may take what time is left
+        return stop

@@ -57,9 +57,14 @@ def process_group(backend: str, env: DistEnv, device: torch.device, timeout_s: f
     log.info("process group up: backend=%s rank=%d world_size=%d", backend, env.rank, env.world_size)
     try:
         yield
-    except BaseException:
+    except BaseException as error:
         # No barrier here: peers may be inside another collective, and a mismatched one would hang.
         dist.destroy_process_group()
+        if isinstance(error, RuntimeError) and "timed out" in str(error).lower():  # DistBackendError too
+            raise RuntimeError(
+                f"a collective timed out after strategy.timeout_s={timeout_s:g}: a rank stalled or skipped "
+                f"a collective ({str(error).strip().splitlines()[0]})"
+            ) from error
         raise
     # The barrier keeps a fast rank from tearing down the group while a peer still uses it.
     dist.barrier()
