@@ -20,7 +20,7 @@ import pytest
 import torch
 from torch.utils.data import Dataset, DistributedSampler
 
-from conftest import REPO, TORCHRUN, TRAIN, check, launch, run_dirs
+from conftest import REPO, TINY, TORCHRUN, TRAIN, check, launch, run_dirs
 from ddp.checkpoint import CheckpointError, load_checkpoint, save_checkpoint, save_step_checkpoint
 from ddp.env import DistEnv
 from ddp.loaders import build_train_loader, iterate_from, start_epoch
@@ -32,16 +32,7 @@ RESTARTABLE = {"TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1"}
 
 # Randomness everywhere a resume could get it wrong: dropout (global RNG, per rank), random
 # augmentation in 2 DataLoader workers, and a shuffled sampler. 2 ranks x 8 batches x 2 epochs = 16 steps.
-DATA = [
-    "data=synthetic",
-    "data.num_samples=128",
-    "data.num_val_samples=37",
-    "data.image_size=8",
-    "data.batch_size=8",
-    "model.channels=[8,16]",
-    "model.dropout=0.3",
-    "data.augment=true",
-]
+DATA = [*TINY, "model.dropout=0.3", "data.augment=true"]
 EXACT = ["strategy=ddp", *DATA, "data.num_workers=2", "trainer.max_epochs=2", "trainer.log_every_n_steps=1",
          "checkpoint.every_n_steps=5"]
 # One process, for the runs that must stop before training: no torchrun start-up to pay for.
