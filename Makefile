@@ -35,10 +35,10 @@ smoke-test: install ## Three short CPU runs: single, dp, and torchrun ddp with S
 	$(TORCHRUN) --nproc_per_node=2 train.py strategy=ddp syncbn=true $(SMOKE)
 
 sweep: install ## A batch-size sweep on CPU: 3 jobs of self-launched DDP on 2 processes; prints the summary
-	$(PY) train.py -m strategy=ddp strategy.nproc_per_node=2 data=synthetic data.num_samples=512 trainer.max_epochs=2 data.batch_size=16,32,64
+	$(PY) train.py -m strategy=ddp strategy.nproc_per_node=2 trainer.max_epochs=3 data.batch_size=16,32,64
 
 bench: install ## Throughput side by side in one sweep: single, dp, DDP x2 with and without SyncBN (summary: samples_per_s)
-	$(PY) train.py -m strategy=single,dp,ddp strategy.nproc_per_node=2 syncbn=false,true data=synthetic data.num_samples=2048 data.image_size=32 data.batch_size=32 trainer.max_epochs=1 trainer.warmup_steps=5 checkpoint.every_n_steps=0
+	$(PY) train.py -m strategy=single,dp,ddp strategy.nproc_per_node=2 syncbn=false,true data=synthetic data.num_samples=4096 data.image_size=16 data.batch_size=32 trainer.max_epochs=1 trainer.warmup_steps=5
 
 tensorboard: install ## Serve outputs/ on http://127.0.0.1:6006
 	$(VENV)/bin/tensorboard --logdir outputs --host 127.0.0.1 --port 6006
