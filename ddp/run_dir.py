@@ -13,6 +13,7 @@ from datetime import datetime
 from pathlib import Path
 
 from omegaconf import OmegaConf
+from torch.distributed import TCPStore
 
 _STORE_KEY = "hydra_ddp/launch_time"
 
@@ -25,8 +26,6 @@ def _agreed_launch_time() -> float:
     if os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True":
         # torchrun shares its store with the workers; the first rank to ask sets the value,
         # and the store outlives worker restarts.
-        from torch.distributed import TCPStore
-
         store = TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), is_master=False)
         return float(store.compare_set(_STORE_KEY, "", repr(now)))
     # Store not shared (TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1): claim a file named after the
