@@ -12,7 +12,6 @@ import random
 import resource
 import sys
 import time
-from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 import hydra
@@ -36,23 +35,22 @@ from ddp.loaders import build_train_loader, build_val_loader, iterate_from, star
 from ddp.preemption import StopOnSigterm
 from ddp.process_group import all_reduce_sum, process_group, replicas_identical, resolve_backend
 from ddp.rank_zero import RankZeroWriter, quiet_console_on_other_ranks, write_json
-from ddp.resume import capture_rank_state, find_resume_checkpoint, gather_rank_states, load_model_state, restore_rank_state
+from ddp.resume import (
+    Position,
+    capture_rank_state,
+    checkpoint_state,
+    find_resume_checkpoint,
+    gather_rank_states,
+    load_model_state,
+    restore_rank_state,
+    resume_position,
+)
 from ddp.run_dir import register_resolvers
 from ddp.sweep_summary import record_failed_job
 from ddp.syncbn import convert_syncbn
 from ddp.wrap import unwrap_model, wrap_model
 
 log = logging.getLogger("train")
-
-
-@dataclass
-class Position:
-    """Where training stands; a checkpoint stores it, and a resumed run continues from it."""
-
-    epoch: int = 0
-    batch_in_epoch: int = 0  # batches of `epoch` already trained
-    global_step: int = 0
-    epoch_totals: list[float] = field(default_factory=lambda: [0.0, 0.0])  # this rank's loss sum, sample count
 
 
 def train_one_epoch(model, batches, optimizer, device, position, batches_per_epoch, trainer_cfg, world_size, writer, after_step) -> None:
@@ -144,21 +142,12 @@ def fit(cfg: DictConfig, env: DistEnv, device: torch.device, splits, model, resu
     eval_model = raw_model if cfg.strategy.name == "ddp" else model
     optimizer = instantiate(cfg.optim, params=model.parameters())
 
-    position, rank_state = Position(), None
     torch.manual_seed(cfg.seed + env.rank)  # per-rank randomness (dropout) from here on
     random.seed(cfg.seed + env.rank)
+    position, rank_state = Position(), None
     if resumed:
-        checkpoint_path, checkpoint = resumed
-        optimizer.load_state_dict(checkpoint["optimizer"])
-        position = Position(checkpoint["epoch"], checkpoint["batch_in_epoch"], checkpoint["global_step"])
-        if checkpoint["world_size"] == world_size:
-            rank_state = checkpoint["ranks"][env.rank]
-            position.epoch_totals = list(rank_state["epoch_totals"])
-        else:
-            log.warning("checkpoint has world_size=%d, this run %d: resuming the weights, but not bit-identically",
-                        checkpoint["world_size"], world_size)
-        log.info("resumed from %s at epoch %d, batch %d, step %d", checkpoint_path, position.epoch,
-                 position.batch_in_epoch, position.global_step)
+        optimizer.load_state_dict(resumed[1]["optimizer"])
+        position, rank_state = resume_position(*resumed, world_size, env.rank)
 
     writer = RankZeroWriter(run_dir, env, purge_step=position.global_step + 1 if resumed else None)
     global_batch = cfg.data.batch_size * world_size
@@ -171,16 +160,7 @@ def fit(cfg: DictConfig, env: DistEnv, device: torch.device, splits, model, resu
         # A collective: every rank contributes its RNG state, rank 0 writes.
         rank_states = gather_rank_states(capture_rank_state(train_loader.generator, position.epoch_totals))
         if env.is_main:
-            state = {
-                "model": raw_model.state_dict(),
-                "optimizer": optimizer.state_dict(),
-                **asdict(position),
-                "tensorboard_step": position.global_step,
-                "world_size": world_size,
-                "ranks": rank_states,
-                "config": OmegaConf.to_container(cfg, resolve=True),
-            }
-            del state["epoch_totals"]  # per rank, inside "ranks"
+            state = checkpoint_state(raw_model, optimizer, position, rank_states, OmegaConf.to_container(cfg, resolve=True))
             save_step_checkpoint(state, run_dir, position.global_step, cfg.checkpoint.keep_last)
         if dist.is_initialized():
             dist.barrier()  # nobody runs ahead (or exits) before the checkpoint exists

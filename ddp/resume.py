@@ -2,6 +2,7 @@
 
 import logging
 import random
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -13,6 +14,45 @@ from ddp.checkpoint import CheckpointError, load_checkpoint, load_latest_checkpo
 from ddp.config import ConfigError
 
 log = logging.getLogger(__name__)
+
+
+@dataclass
+class Position:
+    """Where training stands; a checkpoint stores it, and a resumed run continues from it."""
+
+    epoch: int = 0
+    batch_in_epoch: int = 0  # batches of `epoch` already trained
+    global_step: int = 0
+    epoch_totals: list[float] = field(default_factory=lambda: [0.0, 0.0])  # this rank's loss sum, sample count
+
+
+def checkpoint_state(model: nn.Module, optimizer, position: Position, rank_states: list[dict[str, Any]], config: dict) -> dict[str, Any]:
+    """Everything a resume needs, as plain containers and tensors (loadable with weights_only=True)."""
+    where = asdict(position)
+    del where["epoch_totals"]  # per rank, inside "ranks"
+    return {
+        "model": model.state_dict(),
+        "optimizer": optimizer.state_dict(),
+        **where,
+        "tensorboard_step": position.global_step,
+        "world_size": len(rank_states),
+        "ranks": rank_states,
+        "config": config,
+    }
+
+
+def resume_position(path: Path, checkpoint: dict[str, Any], world_size: int, rank: int) -> tuple[Position, dict[str, Any] | None]:
+    """Where to continue, and this rank's state to restore (None if the world size changed)."""
+    position = Position(checkpoint["epoch"], checkpoint["batch_in_epoch"], checkpoint["global_step"])
+    rank_state = None
+    if checkpoint["world_size"] == world_size:
+        rank_state = checkpoint["ranks"][rank]
+        position.epoch_totals = list(rank_state["epoch_totals"])
+    else:
+        log.warning("checkpoint has world_size=%d, this run %d: resuming the weights, but not bit-identically",
+                    checkpoint["world_size"], world_size)
+    log.info("resumed from %s at epoch %d, batch %d, step %d", path, position.epoch, position.batch_in_epoch, position.global_step)
+    return position, rank_state
 
 
 def find_resume_checkpoint(resume: str | None, run_dir: Path, restarted: bool) -> tuple[Path, dict[str, Any]] | None:
