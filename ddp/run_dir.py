@@ -46,7 +46,7 @@ def _agreed_launch_time() -> float:
             if text:
                 return float(text)
             time.sleep(0.05)
-        raise RuntimeError(f"{claim}: still empty after 30 s; remove it and relaunch")
+        raise RuntimeError(f"{claim}: still empty after 30 s; remove it and relaunch") from None
     tmp = claim.with_suffix(".tmp")
     tmp.write_text(repr(now))
     os.replace(tmp, claim)

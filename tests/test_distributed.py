@@ -4,7 +4,6 @@ import json
 import os
 import socket
 import subprocess
-import sys
 
 import pytest
 import torch
@@ -20,7 +19,7 @@ def test_two_ranks_match_one_process_with_the_global_batch(ddp_run, single_run):
     assert ddp_state.keys() == single_state.keys()
     assert any(key.endswith("running_var") for key in ddp_state)
     for key in ddp_state:
-        torch.testing.assert_close(ddp_state[key], single_state[key], msg=lambda m: f"{key}: {m}")
+        torch.testing.assert_close(ddp_state[key], single_state[key], msg=lambda m, key=key: f"{key}: {m}")
     ddp_results, single_results = load_results(ddp_run[0]), load_results(single_run[0])
     assert ddp_results["steps"] == single_results["steps"] == 16
     assert (ddp_results["global_batch_size"], single_results["global_batch_size"]) == (16, 16)
