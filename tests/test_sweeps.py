@@ -194,6 +194,10 @@ def test_torchrun_sweep_stops_fast_when_a_job_fails_on_one_rank(tmp_path):
     sweep_dir = the_sweep_dir(tmp_path)
     assert (sweep_dir / "0" / "results.json").is_file()  # the job before the failure finished
     assert not (sweep_dir / "2").exists()  # the sweep stopped at the failing job
+    finished, failed = summary_rows(sweep_dir)  # the failing job is in the summary too
+    assert (finished["job"], finished["status"]) == ("0", "ok")
+    assert failed["job"] == "1" and failed["status"].startswith("failed:"), failed
+    assert "sweep summary (" in result.stdout  # printed although the sweep failed
 
 
 # --- 5. a failing job in a plain multirun ------------------------------------------------------
@@ -212,6 +216,7 @@ def test_plain_sweep_runs_the_other_jobs_and_reports_the_failed_one(tmp_path):
     assert ok["status"] == "ok" and ok["best"] == "True"
     assert float(ok["val_accuracy"]) == results_of(sweep_dir / "1")["val_accuracy"]
     assert not (sweep_dir / "0" / "results.json").exists()
+    assert "sweep summary (" in result.stdout  # printed although Hydra ends the sweep with an error
 
 
 # --- 6. Optuna search over self-launched DDP ---------------------------------------------------
@@ -250,6 +255,7 @@ def test_optuna_under_torchrun_is_refused_before_training(tmp_path):
                     tmp_path, nproc=2, timeout=120)
     assert result.returncode != 0
     assert OPTUNA_REFUSAL in result.stderr, output(result)[-4000:]
+    assert not (tmp_path / "outputs" / "multirun").exists()  # refused before the sweep started
     assert list(tmp_path.rglob("events.out.tfevents*")) == []
     assert list(tmp_path.rglob("results.json")) == []
     assert list(tmp_path.rglob("*.pt")) == []
