@@ -35,7 +35,8 @@ def leave_rank_process_group(worker_id: int) -> None:
     """torchrun stops a rank with a SIGTERM to the rank's whole process group. A loader worker that
     died of it would fail the rank before it saves its checkpoint; out of that group, the worker
     stays until the rank shuts it down (or exits, which the worker notices)."""
-    os.setpgid(0, 0)
+    if hasattr(os, "setpgid"):  # POSIX only
+        os.setpgid(0, 0)
 
 
 def build_train_loader(dataset: Dataset, data_cfg, env: DistEnv, seed: int, pin_memory: bool) -> DataLoader:
