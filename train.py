@@ -27,7 +27,7 @@ from tqdm import tqdm
 
 from data import build_datasets
 from ddp.checkpoint import save_step_checkpoint
-from ddp.config import ConfigError, register_configs, validate
+from ddp.config import ConfigError, instantiate_checked, register_configs, validate
 from ddp.env import DistEnv, select_device
 from ddp.faults import inject_fault
 from ddp.launch import launch_workers
@@ -113,7 +113,9 @@ def run(cfg: DictConfig, run_dir: Path) -> dict:
     # data and model: identical on every rank (same seed)
     torch.manual_seed(cfg.seed)
     splits = build_datasets(cfg.data)
-    model = instantiate(cfg.model, num_classes=splits.num_classes, in_channels=splits.in_channels)
+    model = instantiate_checked(cfg.model, "model", num_classes=splits.num_classes, in_channels=splits.in_channels)
+    # the real optimizer needs the wrapped model; build one on a dummy now to reject bad settings early
+    instantiate_checked(cfg.optim, "optim", params=[torch.zeros(1, requires_grad=True)])
 
     # resume: weights load before wrapping, so DDP starts every rank from them
     restarted = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")) > 0

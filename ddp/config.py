@@ -6,6 +6,8 @@ from pathlib import Path
 from typing import Any
 
 from hydra.core.config_store import ConfigStore
+from hydra.errors import InstantiationException
+from hydra.utils import instantiate
 from omegaconf import MISSING, DictConfig, OmegaConf
 
 
@@ -160,6 +162,19 @@ def register_configs() -> None:
     for group, schemas in SCHEMAS.items():
         for option, schema in schemas.items():
             cs.store(group=f"schema/{group}", name=option, node=schema)
+
+
+def instantiate_checked(node: Any, key: str, **kwargs: Any) -> Any:
+    """hydra.utils.instantiate, with a value the target rejects turned into a one-line error naming `key`."""
+    try:
+        return instantiate(node, **kwargs)
+    except InstantiationException as error:
+        cause = error.__cause__
+        if isinstance(cause, ConfigError):  # the builder's own message
+            raise cause from None
+        if isinstance(cause, (ValueError, TypeError)):  # e.g. torch.optim's "Invalid weight_decay value"
+            raise ConfigError(f"{key}: {cause}") from None
+        raise
 
 
 STRATEGIES = ("single", "dp", "ddp")

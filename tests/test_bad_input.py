@@ -110,6 +110,8 @@ OUR_ERRORS = {
         ["trainer.max_epochs=1", "data=imagefolder", "data.root={dir}"], "data.root={dir}",
         "different class folders", _imagefolder_with_different_classes,
     ),
+    "optimizer_rejects_a_value": (QUICK + ["optim.weight_decay=-1"], "optim", "Invalid weight_decay value", None),
+    "model_rejects_a_value": (QUICK + ["model.dropout=2"], "model", "dropout probability", None),
     "empty_train_split": (QUICK + ["data.num_samples=0"], "data", "the train split is empty", None),
     "empty_val_split": (["trainer.max_epochs=1", "data.val_fraction=0"], "data", "the val split is empty", None),
     "cifar10_not_downloaded": (
