@@ -68,7 +68,7 @@ def train_one_epoch(model, batches, optimizer, device, position, batches_per_epo
 
         position.batch_in_epoch = batch_index + 1
         position.global_step += 1
-        position.epoch_totals[0] += loss.item() * len(labels)
+        position.epoch_totals[0] += loss.detach().double() * len(labels)  # on the device: no host sync per step
         position.epoch_totals[1] += len(labels)
         if position.global_step % trainer_cfg.log_every_n_steps == 0:
             now = time.perf_counter()
@@ -91,8 +91,8 @@ def evaluate(model, loader, device, limit_batches: int) -> dict[str, float]:
             break
         images, labels = images.to(device, non_blocking=True), labels.to(device, non_blocking=True)
         logits = model(images)
-        totals[0] += F.cross_entropy(logits, labels, reduction="sum").item()
-        totals[1] += (logits.argmax(dim=1) == labels).sum().item()
+        totals[0] += F.cross_entropy(logits, labels, reduction="sum")
+        totals[1] += (logits.argmax(dim=1) == labels).sum()
         totals[2] += len(labels)
     loss_sum, correct, count = all_reduce_sum(totals).tolist()
     return {"val_loss": loss_sum / count, "val_accuracy": correct / count, "val_samples": int(count)}
@@ -150,6 +150,7 @@ def fit(cfg: DictConfig, env: DistEnv, device: torch.device, splits, model, resu
     if resumed:
         optimizer.load_state_dict(resumed[1]["optimizer"])
         position, rank_state = resume_position(*resumed, world_size, env.rank)
+    position.epoch_totals = position.epoch_totals.to(device)
 
     writer = RankZeroWriter(run_dir, env, purge_step=position.global_step + 1 if resumed else None)
     global_batch = cfg.data.batch_size * world_size
@@ -170,7 +171,7 @@ def fit(cfg: DictConfig, env: DistEnv, device: torch.device, splits, model, resu
 
     # loop
     every_n = cfg.checkpoint.every_n_steps
-    sigterm = StopOnSigterm()
+    sigterm = StopOnSigterm(distributed=dist.is_initialized())
     saved = {"step": position.global_step if resumed else -1}
     throughput = {"samples": 0, "since": time.perf_counter()}
     batches_per_epoch = len(train_loader) if trainer.limit_train_batches == -1 else min(len(train_loader), trainer.limit_train_batches)
@@ -203,7 +204,7 @@ def fit(cfg: DictConfig, env: DistEnv, device: torch.device, splits, model, resu
         rank_state = None
         train_one_epoch(model, batches, optimizer, device, position, batches_per_epoch, trainer, world_size, writer, after_step)
 
-        loss_sum, count = all_reduce_sum(torch.tensor(position.epoch_totals, dtype=torch.float64, device=device)).tolist()
+        loss_sum, count = all_reduce_sum(position.epoch_totals.clone()).tolist()
         metrics = {"train_loss": loss_sum / max(count, 1)}
         writer.add_scalar("train/epoch_loss", metrics["train_loss"], position.global_step)
         writer.add_scalar("train/epoch_time_s", time.perf_counter() - epoch_started, position.global_step)
@@ -214,7 +215,8 @@ def fit(cfg: DictConfig, env: DistEnv, device: torch.device, splits, model, resu
             writer.add_scalar("val/accuracy", metrics["val_accuracy"], position.global_step)
             log.info("epoch %d step %d: train_loss=%.4f val_loss=%.4f val_accuracy=%.4f", position.epoch,
                      position.global_step, metrics["train_loss"], metrics["val_loss"], metrics["val_accuracy"])
-        position.epoch, position.batch_in_epoch, position.epoch_totals = position.epoch + 1, 0, [0.0, 0.0]
+        position.epoch, position.batch_in_epoch = position.epoch + 1, 0
+        position.epoch_totals = torch.zeros_like(position.epoch_totals)
         if every_n and position.global_step % every_n == 0:
             save()
     progress.close()

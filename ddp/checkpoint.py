@@ -39,12 +39,11 @@ def save_checkpoint(state: dict[str, Any], path: Path) -> None:
             f.flush()
             os.fsync(f.fileno())
         os.replace(tmp_name, path)
-    except RuntimeError as error:  # torch hides the errno ("unexpected pos ..." on a full disk)
+    except BaseException as error:
         Path(tmp_name).unlink(missing_ok=True)
-        free_mb = shutil.disk_usage(path.parent).free / 2**20
-        raise RuntimeError(f"saving {path} failed, the previous checkpoint is intact ({free_mb:.0f} MB free): {error}") from error
-    except BaseException:
-        Path(tmp_name).unlink(missing_ok=True)
+        if isinstance(error, RuntimeError):  # torch hides the errno ("unexpected pos ..." on a full disk)
+            free_mb = shutil.disk_usage(path.parent).free / 2**20
+            raise RuntimeError(f"saving {path} failed, the previous checkpoint is intact ({free_mb:.0f} MB free): {error}") from error
         raise
     _fsync_dir(path.parent)
 

@@ -1,6 +1,8 @@
 """Samplers and DataLoaders: shuffled shards for training, exact unpadded shards for evaluation."""
 
+import contextlib
 import os
+import signal
 from collections.abc import Callable, Iterator
 
 import torch
@@ -31,12 +33,39 @@ class ShardSampler(Sampler[int]):
         return len(self.indices)
 
 
+# torchrun stops a rank with a SIGTERM to the rank's whole process group. A loader worker that died
+# of it would fail the rank before it saves its checkpoint, so workers start with SIGTERM blocked,
+# leave the group, drop a SIGTERM that reached them before that, and only then take signals again.
+# Out of the group, a worker stays until the rank shuts it down (or exits, which the worker notices).
+_SIGTERM = {signal.SIGTERM}
+_POSIX = hasattr(signal, "pthread_sigmask")
+
+
+@contextlib.contextmanager
+def _sigterm_blocked() -> Iterator[None]:
+    if not _POSIX:
+        yield
+        return
+    signal.pthread_sigmask(signal.SIG_BLOCK, _SIGTERM)
+    try:
+        yield
+    finally:
+        signal.pthread_sigmask(signal.SIG_UNBLOCK, _SIGTERM)  # a SIGTERM meanwhile is delivered now
+
+
 def leave_rank_process_group(worker_id: int) -> None:
-    """torchrun stops a rank with a SIGTERM to the rank's whole process group. A loader worker that
-    died of it would fail the rank before it saves its checkpoint; out of that group, the worker
-    stays until the rank shuts it down (or exits, which the worker notices)."""
-    if hasattr(os, "setpgid"):  # POSIX only
+    if _POSIX:
         os.setpgid(0, 0)
+        signal.sigtimedwait(_SIGTERM, 0)
+        signal.pthread_sigmask(signal.SIG_UNBLOCK, _SIGTERM)
+
+
+class WorkerSafeDataLoader(DataLoader):
+    """A DataLoader whose workers outlive a SIGTERM to the rank's process group (see above)."""
+
+    def __iter__(self):
+        with _sigterm_blocked():  # workers start inside, inheriting the blocked signal
+            return super().__iter__()
 
 
 def build_train_loader(dataset: Dataset, data_cfg, env: DistEnv, seed: int, pin_memory: bool) -> DataLoader:
@@ -47,7 +76,7 @@ def build_train_loader(dataset: Dataset, data_cfg, env: DistEnv, seed: int, pin_
     which a run resumed in a later epoch could not reproduce.
     """
     sampler = DistributedSampler(dataset, num_replicas=env.world_size, rank=env.rank, shuffle=True, seed=seed)
-    return DataLoader(
+    return WorkerSafeDataLoader(
         dataset,
         batch_size=data_cfg.batch_size,
         sampler=sampler,
@@ -60,7 +89,7 @@ def build_train_loader(dataset: Dataset, data_cfg, env: DistEnv, seed: int, pin_
 
 
 def build_val_loader(dataset: Dataset, data_cfg, env: DistEnv, pin_memory: bool) -> DataLoader:
-    return DataLoader(
+    return WorkerSafeDataLoader(
         dataset,
         batch_size=data_cfg.batch_size,
         sampler=ShardSampler(len(dataset), env.world_size, env.rank),

@@ -23,7 +23,8 @@ class StopOnSigterm:
     exits with 143 rather than holding up the shutdown.
     """
 
-    def __init__(self):
+    def __init__(self, distributed: bool):
+        self.distributed = distributed
         self.received = False
         self.deadline: threading.Timer | None = None
         signal.signal(signal.SIGTERM, self._handle)
@@ -44,7 +45,9 @@ class StopOnSigterm:
 
     def stop_now(self, device: torch.device) -> bool:
         """True on every rank as soon as any rank got the signal, so all stop at the same step."""
-        stop = all_reduce_sum(torch.tensor([float(self.received)], device=device)).item() > 0
+        stop = self.received
+        if self.distributed:  # one tiny all_reduce per step; a single process needs none
+            stop = all_reduce_sum(torch.tensor([float(self.received)], device=device)).item() > 0
         if stop and self.deadline is not None:
             self.deadline.cancel()  # at the boundary now: the save may take what time is left
         return stop

@@ -2,7 +2,7 @@
 
 import logging
 import random
-from dataclasses import asdict, dataclass, field
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -23,17 +23,18 @@ class Position:
     epoch: int = 0
     batch_in_epoch: int = 0  # batches of `epoch` already trained
     global_step: int = 0
-    epoch_totals: list[float] = field(default_factory=lambda: [0.0, 0.0])  # this rank's loss sum, sample count
+    # this rank's loss sum and sample count so far in `epoch` (float64, kept on the training device)
+    epoch_totals: torch.Tensor = field(default_factory=lambda: torch.zeros(2, dtype=torch.float64))
 
 
 def checkpoint_state(model: nn.Module, optimizer, position: Position, rank_states: list[dict[str, Any]], config: dict) -> dict[str, Any]:
     """Everything a resume needs, as plain containers and tensors (loadable with weights_only=True)."""
-    where = asdict(position)
-    del where["epoch_totals"]  # per rank, inside "ranks"
     return {
         "model": model.state_dict(),
         "optimizer": optimizer.state_dict(),
-        **where,
+        "epoch": position.epoch,
+        "batch_in_epoch": position.batch_in_epoch,
+        "global_step": position.global_step,
         "tensorboard_step": position.global_step,
         "world_size": len(rank_states),
         "ranks": rank_states,
@@ -47,7 +48,7 @@ def resume_position(path: Path, checkpoint: dict[str, Any], world_size: int, ran
     rank_state = None
     if checkpoint["world_size"] == world_size:
         rank_state = checkpoint["ranks"][rank]
-        position.epoch_totals = list(rank_state["epoch_totals"])
+        position.epoch_totals = torch.tensor(rank_state["epoch_totals"], dtype=torch.float64)
     else:
         log.warning("checkpoint has world_size=%d, this run %d: resuming the weights, but not bit-identically",
                     checkpoint["world_size"], world_size)
@@ -92,7 +93,7 @@ def load_model_state(model: nn.Module, state_dict: dict[str, torch.Tensor], sour
     model.load_state_dict(state_dict, strict=True)
 
 
-def capture_rank_state(loader_generator: torch.Generator, epoch_totals: list[float]) -> dict[str, Any]:
+def capture_rank_state(loader_generator: torch.Generator, epoch_totals: torch.Tensor) -> dict[str, Any]:
     """This rank's random state and partial-epoch loss, as plain containers and tensors."""
     return {
         "torch_rng": torch.get_rng_state(),
@@ -100,7 +101,7 @@ def capture_rank_state(loader_generator: torch.Generator, epoch_totals: list[flo
         "python_rng": random.getstate(),
         # Reseeded per (rank, epoch) by ddp.loaders.start_epoch, so resume re-derives it; kept for inspection.
         "loader_rng": loader_generator.get_state(),
-        "epoch_totals": list(epoch_totals),
+        "epoch_totals": epoch_totals.tolist(),
     }
 
 

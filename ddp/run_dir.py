@@ -15,10 +15,13 @@ from pathlib import Path
 from omegaconf import OmegaConf
 from torch.distributed import TCPStore
 
+from ddp.env import DistEnv
+
 _STORE_KEY = "hydra_ddp/launch_time"
 
 
-def _agreed_launch_time() -> float:
+@functools.cache
+def launch_time() -> float:
     """The launch time of this process's launch, the same on every rank."""
     now = time.time()
     if "TORCHELASTIC_RUN_ID" not in os.environ:
@@ -54,16 +57,12 @@ def _agreed_launch_time() -> float:
     return now
 
 
-@functools.cache
-def launch_time() -> float:
-    return _agreed_launch_time()
-
-
 def _process_log_name(strategy: str, nproc_per_node: int) -> str:
     """`rank<R>` for a training process; `launcher` for one that will start DDP workers itself."""
-    if "RANK" not in os.environ and strategy == "ddp" and nproc_per_node > 0:
+    env = DistEnv.from_environ()
+    if not env.under_torchrun and strategy == "ddp" and nproc_per_node > 0:
         return "launcher"
-    return f"rank{os.environ.get('RANK', '0')}"
+    return f"rank{env.rank}"
 
 
 def register_resolvers() -> None:
@@ -78,5 +77,5 @@ def register_resolvers() -> None:
     )
     OmegaConf.register_new_resolver("process_log_name", _process_log_name, replace=True)
     OmegaConf.register_new_resolver(
-        "rank_zero_only", lambda value: value if os.environ.get("RANK", "0") == "0" else None, replace=True
+        "rank_zero_only", lambda value: value if DistEnv.from_environ().is_main else None, replace=True
     )

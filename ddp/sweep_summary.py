@@ -4,7 +4,6 @@ and the refusal of an Optuna search under torchrun."""
 import atexit
 import csv
 import json
-import os
 import sys
 from pathlib import Path
 from typing import Any
@@ -13,6 +12,8 @@ from hydra.core.utils import JobReturn, JobStatus
 from hydra.experimental.callback import Callback
 from hydra.types import RunMode
 from omegaconf import DictConfig
+
+from ddp.env import DistEnv
 
 COLUMNS = [
     "job", "overrides", "world_size", "batch_size", "global_batch_size",
@@ -24,16 +25,12 @@ _rows: list[dict[str, Any]] = []
 _sweep_dir: list[Path] = []
 
 
-def _is_rank_zero() -> bool:
-    return os.environ.get("RANK", "0") == "0"
-
-
 class SweepSummary(Callback):
     """Rewrites the summary after every job, so it exists even if the sweep stops early; prints it at
     the end, or at exit when a failed job made Hydra stop before the end."""
 
     def on_job_end(self, config: DictConfig, job_return: JobReturn, **kwargs: Any) -> None:
-        if config.hydra.mode != RunMode.MULTIRUN or not _is_rank_zero():
+        if config.hydra.mode != RunMode.MULTIRUN or not DistEnv.from_environ().is_main:
             return
         job_dir = Path(config.hydra.runtime.output_dir)
         failure = None if job_return.status == JobStatus.COMPLETED else job_return._return_value
@@ -45,13 +42,16 @@ class SweepSummary(Callback):
 
 def record_failed_job(hydra_cfg: DictConfig, cfg: DictConfig, error: BaseException) -> None:
     """For a job that ends the sweep with SystemExit, which Hydra's job-end callbacks never see."""
-    if hydra_cfg.mode == RunMode.MULTIRUN and _is_rank_zero():
+    if hydra_cfg.mode == RunMode.MULTIRUN and DistEnv.from_environ().is_main:
         row = summary_row(hydra_cfg.job.num, hydra_cfg.overrides.task, cfg, Path(hydra_cfg.runtime.output_dir), error)
         _add_row(row, Path(hydra_cfg.sweep.dir))
 
 
 def summary_row(job_num: int, overrides, cfg: DictConfig, job_dir: Path, failure: BaseException | None) -> dict[str, Any]:
-    world_size = int(os.environ.get("WORLD_SIZE", cfg.strategy.nproc_per_node if cfg.strategy.name == "ddp" else 1))
+    env = DistEnv.from_environ()
+    world_size = env.world_size
+    if not env.under_torchrun and cfg.strategy.name == "ddp":
+        world_size = cfg.strategy.nproc_per_node  # self-launched workers
     row = {
         "job": job_num,
         "overrides": " ".join(overrides or []),
@@ -111,8 +111,9 @@ class RefuseOptunaUnderTorchrun(Callback):
     """Under torchrun every rank would run its own Optuna study, sampling different values."""
 
     def on_multirun_start(self, config: DictConfig, **kwargs: Any) -> None:
-        if "RANK" in os.environ and "optuna" in config.hydra.sweeper._target_:
-            if _is_rank_zero():
+        env = DistEnv.from_environ()
+        if env.under_torchrun and "optuna" in config.hydra.sweeper._target_:
+            if env.is_main:
                 print(
                     "error: hparams_search=optuna under torchrun would run a separate study on every rank: run "
                     "`python train.py -m hparams_search=optuna strategy=ddp strategy.nproc_per_node=N` instead",
