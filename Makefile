@@ -11,7 +11,7 @@ SMOKE := data=synthetic data.num_samples=256 data.num_val_samples=64 data.batch_
 export TORCH_DISABLE_SHARE_RDZV_TCP_STORE := 1
 
 .DEFAULT_GOAL := help
-.PHONY: help install train test smoke-test sweep bench tensorboard
+.PHONY: help install train test smoke-test gpu-check sweep bench tensorboard
 
 help: ## List the targets
 	@grep -E '^[a-z-]+:.*## ' $(MAKEFILE_LIST) | awk -F':.*## ' '{printf "  make %-12s %s\n", $$1, $$2}'
@@ -33,6 +33,9 @@ smoke-test: install ## Three short CPU runs: single, dp, and torchrun ddp with S
 	$(PY) train.py strategy=single $(SMOKE)
 	$(PY) train.py strategy=dp $(SMOKE)
 	$(TORCHRUN) --nproc_per_node=2 train.py strategy=ddp syncbn=true $(SMOKE)
+
+gpu-check: ## The CUDA paths in one short run on one GPU; without one it says so (any Python with torch: PY=python3)
+	$(PY) tests/gpu/gpu_check.py
 
 sweep: install ## A batch-size sweep on CPU: 3 jobs of self-launched DDP on 2 processes; prints the summary
 	$(PY) train.py -m strategy=ddp strategy.nproc_per_node=2 trainer.max_epochs=3 data.batch_size=16,32,64

@@ -9,7 +9,6 @@ import contextlib
 import logging
 import os
 import random
-import resource
 import sys
 import time
 from pathlib import Path
@@ -27,13 +26,20 @@ from tqdm import tqdm
 
 from data import build_datasets
 from ddp.checkpoint import save_step_checkpoint
-from ddp.config import ConfigError, instantiate_checked, register_configs, validate
+from ddp.config import ConfigError, check_model_accepts, instantiate_checked, register_configs, validate
 from ddp.env import DistEnv, select_device
 from ddp.faults import inject_fault
 from ddp.launch import launch_workers
 from ddp.loaders import build_train_loader, build_val_loader, iterate_from, start_epoch
+from ddp.meter import ThroughputMeter, peak_memory, reset_peak_memory
 from ddp.preemption import StopOnSigterm
-from ddp.process_group import all_reduce_sum, process_group, replicas_identical, resolve_backend
+from ddp.process_group import (
+    all_reduce_sum,
+    broadcast_buffers_from_rank_zero,
+    process_group,
+    replicas_identical,
+    resolve_backend,
+)
 from ddp.rank_zero import RankZeroWriter, quiet_console_on_other_ranks, write_json
 from ddp.resume import (
     Position,
@@ -48,7 +54,7 @@ from ddp.resume import (
 from ddp.run_dir import register_resolvers
 from ddp.sweep_summary import record_failed_job
 from ddp.syncbn import convert_syncbn
-from ddp.wrap import unwrap_model, wrap_model
+from ddp.wrap import process_gpus, seed_dataparallel_replicas, unwrap_model, wrap_model
 
 log = logging.getLogger("train")
 
@@ -103,17 +109,22 @@ def run(cfg: DictConfig, run_dir: Path) -> dict:
     # resolve env and check the config before anything starts or is written
     env = DistEnv.from_environ()
     validate(cfg, under_torchrun=env.under_torchrun, world_size=env.world_size)
-    backend = resolve_backend(cfg.backend, torch.cuda.is_available())
-    device = select_device(env)
     distributed = cfg.strategy.name == "ddp"
+    backend = resolve_backend(cfg.backend, torch.cuda.is_available())
+    device = select_device(env, backend if distributed else None, torch.cuda.device_count())
+    gpus = process_gpus(cfg.strategy.name, device)
+    memory_reset = reset_peak_memory(gpus)  # peak memory is this run's, also in a multirun
     quiet_console_on_other_ranks(env)
     if cfg.syncbn and not distributed:
-        log.warning("syncbn=true has no effect with strategy=%s (one process); it applies to strategy=ddp", cfg.strategy.name)
+        log.warning("syncbn=true has no effect with strategy=%s: %s", cfg.strategy.name, SYNCBN_WITHOUT_DDP[cfg.strategy.name])
+    if cfg.deterministic:
+        torch.backends.cudnn.deterministic, torch.backends.cudnn.benchmark = True, False
 
     # data and model: identical on every rank (same seed)
     torch.manual_seed(cfg.seed)
     splits = build_datasets(cfg.data)
     model = instantiate_checked(cfg.model, "model", num_classes=splits.num_classes, in_channels=splits.in_channels)
+    check_model_accepts(model, splits.val[0][0])
     # the real optimizer needs the wrapped model; build one on a dummy now to reject bad settings early
     instantiate_checked(cfg.optim, "optim", params=[torch.zeros(1, requires_grad=True)])
 
@@ -124,27 +135,41 @@ def run(cfg: DictConfig, run_dir: Path) -> dict:
         load_model_state(model, resumed[1]["model"], resumed[0])
 
     with process_group(backend, env, device, cfg.strategy.timeout_s) if distributed else contextlib.nullcontext():
-        return fit(cfg, env, device, splits, model, resumed, run_dir)
+        return fit(cfg, env, device, gpus, memory_reset, splits, model, resumed, run_dir)
+
+
+# What BatchNorm does with syncbn=true outside DDP, where it changes nothing.
+SYNCBN_WITHOUT_DDP = {
+    "single": "one process, so BatchNorm already sees the whole batch; it applies to strategy=ddp",
+    "dp": "DataParallel's replicas each normalise their own chunk of the batch, and the running statistics "
+          "come from the first GPU's chunk only; SyncBN does not work under DataParallel (pytorch#38940), "
+          "use strategy=ddp syncbn=true to normalise over the whole batch",
+}
 
 
 @record  # a failing rank's traceback reaches torchrun's error summary (Hydra would swallow it)
-def fit(cfg: DictConfig, env: DistEnv, device: torch.device, splits, model, resumed, run_dir: Path) -> dict:
+def fit(cfg: DictConfig, env: DistEnv, device: torch.device, gpus: list[int], memory_reset: bool, splits, model, resumed,
+        run_dir: Path) -> dict:
     world_size, trainer = env.world_size, cfg.trainer
+    distributed = cfg.strategy.name == "ddp"
     pin_memory = device.type == "cuda"
     train_loader = build_train_loader(splits.train, cfg.data, env, cfg.seed, pin_memory)
     val_loader = build_val_loader(splits.val, cfg.data, env, pin_memory)
 
     # SyncBN before wrapping, then wrap
-    if cfg.syncbn and cfg.strategy.name == "ddp":
+    if cfg.syncbn and distributed:
         model = convert_syncbn(model, device)
     model = wrap_model(model.to(device), cfg.strategy, env, device)
     raw_model = unwrap_model(model)
     # DDP's forward may sync buffers; ranks can hold different numbers of val batches, so evaluate
     # the bare model. DataParallel has no collectives and keeps its multi-GPU eval.
-    eval_model = raw_model if cfg.strategy.name == "ddp" else model
+    eval_model = raw_model if distributed else model
+    # Without SyncBN each rank's BatchNorm statistics drift apart: evaluate rank 0's, the saved ones.
+    sync_buffers = distributed and not cfg.syncbn
     optimizer = instantiate(cfg.optim, params=model.parameters())
 
     torch.manual_seed(cfg.seed + env.rank)  # per-rank randomness (dropout) from here on
+    seed_dataparallel_replicas(model, cfg.seed + env.rank)
     random.seed(cfg.seed + env.rank)
     position, rank_state = Position(), None
     if resumed:
@@ -159,9 +184,11 @@ def fit(cfg: DictConfig, env: DistEnv, device: torch.device, splits, model, resu
         cfg.strategy.name, world_size, device, cfg.data.batch_size, global_batch, cfg.optim.lr, len(splits.train), len(splits.val),
     )
 
+    meter = ThroughputMeter(trainer.warmup_steps, device)
+
     def save() -> None:
         # A collective: every rank contributes its RNG state, rank 0 writes.
-        rank_states = gather_rank_states(capture_rank_state(train_loader.generator, position.epoch_totals))
+        rank_states = gather_rank_states(capture_rank_state(train_loader.generator, position.epoch_totals, gpus))
         if env.is_main:
             state = checkpoint_state(raw_model, optimizer, position, rank_states, OmegaConf.to_container(cfg, resolve=True))
             save_step_checkpoint(state, run_dir, position.global_step, cfg.checkpoint.keep_last)
@@ -169,11 +196,15 @@ def fit(cfg: DictConfig, env: DistEnv, device: torch.device, splits, model, resu
             dist.barrier()  # nobody runs ahead (or exits) before the checkpoint exists
         saved["step"] = position.global_step
 
+    def validate_model() -> dict[str, float]:
+        if sync_buffers:
+            broadcast_buffers_from_rank_zero(raw_model)
+        return evaluate(eval_model, val_loader, device, trainer.limit_val_batches)
+
     # loop
     every_n = cfg.checkpoint.every_n_steps
-    sigterm = StopOnSigterm(distributed=dist.is_initialized())
+    sigterm = StopOnSigterm(distributed=dist.is_initialized(), check_every_n_steps=trainer.log_every_n_steps)
     saved = {"step": position.global_step if resumed else -1}
-    throughput = {"samples": 0, "since": time.perf_counter()}
     batches_per_epoch = len(train_loader) if trainer.limit_train_batches == -1 else min(len(train_loader), trainer.limit_train_batches)
     total_steps = batches_per_epoch * trainer.max_epochs
     total_steps = total_steps if trainer.max_steps == -1 else min(total_steps, trainer.max_steps)
@@ -181,28 +212,29 @@ def fit(cfg: DictConfig, env: DistEnv, device: torch.device, splits, model, resu
 
     def after_step(global_samples: int, epoch_ends: bool) -> None:
         progress.update(1)
-        if position.global_step == trainer.warmup_steps:
-            throughput.update(samples=0, since=time.perf_counter())  # steady state starts after warm-up
-        elif position.global_step > trainer.warmup_steps:
-            throughput["samples"] += global_samples
+        meter.step(global_samples)
         inject_fault(cfg.fault, env.rank, position.global_step)
-        if sigterm.stop_now(device):
+        if sigterm.stop_now(position.global_step, epoch_ends, device):
             save()
             log.warning("stopped by SIGTERM at step %d; relaunch with resume=auto and the same run dir to continue", position.global_step)
             raise SystemExit(143)
         # At an epoch's last step the save waits for validation, so a resume never repeats it.
         if every_n and position.global_step % every_n == 0 and not epoch_ends:
+            meter.pause()
             save()
+            meter.resume()
 
     started = time.perf_counter()
     metrics: dict[str, float] = {}
     while position.epoch < trainer.max_epochs and position.global_step != trainer.max_steps:
         epoch_started = time.perf_counter()
         start_epoch(train_loader, position.epoch, cfg.seed, env.rank)
-        restore = (lambda state=rank_state: restore_rank_state(state)) if rank_state else None
+        restore = (lambda state=rank_state: restore_rank_state(state, gpus)) if rank_state else None
         batches = iterate_from(train_loader, position.batch_in_epoch, on_resume=restore)
         rank_state = None
+        meter.resume()
         train_one_epoch(model, batches, optimizer, device, position, batches_per_epoch, trainer, world_size, writer, after_step)
+        meter.pause()
 
         loss_sum, count = all_reduce_sum(position.epoch_totals.clone()).tolist()
         metrics = {"train_loss": loss_sum / max(count, 1)}
@@ -210,7 +242,7 @@ def fit(cfg: DictConfig, env: DistEnv, device: torch.device, splits, model, resu
         writer.add_scalar("train/epoch_time_s", time.perf_counter() - epoch_started, position.global_step)
         last_epoch = position.epoch == trainer.max_epochs - 1 or position.global_step == trainer.max_steps
         if (position.epoch + 1) % trainer.val_every_n_epochs == 0 or last_epoch:
-            metrics |= evaluate(eval_model, val_loader, device, trainer.limit_val_batches)
+            metrics |= validate_model()
             writer.add_scalar("val/loss", metrics["val_loss"], position.global_step)
             writer.add_scalar("val/accuracy", metrics["val_accuracy"], position.global_step)
             log.info("epoch %d step %d: train_loss=%.4f val_loss=%.4f val_accuracy=%.4f", position.epoch,
@@ -221,13 +253,13 @@ def fit(cfg: DictConfig, env: DistEnv, device: torch.device, splits, model, resu
             save()
     progress.close()
     if "val_loss" not in metrics:  # resumed from a finished run: report its metrics again
-        metrics |= evaluate(eval_model, val_loader, device, trainer.limit_val_batches)
+        metrics |= validate_model()
     wall_s = time.perf_counter() - started
-    steady_s = time.perf_counter() - throughput["since"]
 
     # save and summarise (rank 0)
     if saved["step"] != position.global_step:
         save()
+    peak_mb, peak_device = peak_memory(gpus, memory_reset)
     results = {
         **metrics,
         "steps": position.global_step,
@@ -236,10 +268,12 @@ def fit(cfg: DictConfig, env: DistEnv, device: torch.device, splits, model, resu
         "strategy": cfg.strategy.name,
         "batch_size": cfg.data.batch_size,
         "global_batch_size": global_batch,
-        "samples_per_s": throughput["samples"] / steady_s if throughput["samples"] else None,
+        "samples_per_s": meter.samples_per_s,
+        "train_time_s": meter.seconds,
         "wall_s": wall_s,
-        "peak_memory_mb": peak_memory_mb(device),
-        "replicas_identical": replicas_identical(raw_model, include_buffers=cfg.syncbn),
+        "peak_memory_mb": peak_mb,
+        "peak_memory_device": peak_device,
+        "replicas_identical": replicas_identical(raw_model, include_buffers=True),
     }
     if not results["replicas_identical"]:
         log.warning("the ranks' model replicas differ at the end of training: some code path depends on the rank")
@@ -264,12 +298,6 @@ def hparams_of(cfg: DictConfig, world_size: int) -> dict:
         "seed": cfg.seed,
         "max_epochs": cfg.trainer.max_epochs,
     }
-
-
-def peak_memory_mb(device: torch.device) -> float:
-    if device.type == "cuda":
-        return torch.cuda.max_memory_allocated(device) / 2**20
-    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024  # KiB on Linux
 
 
 register_configs()

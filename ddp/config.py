@@ -5,6 +5,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+import torch
 from hydra.core.config_store import ConfigStore
 from hydra.errors import InstantiationException
 from hydra.utils import instantiate
@@ -103,7 +104,7 @@ class AdamConfig(OptimConfig):
 class TrainerConfig:
     max_epochs: int = 10
     max_steps: int = -1  # -1: no limit; otherwise stop after this many optimizer steps
-    log_every_n_steps: int = 10
+    log_every_n_steps: int = 10  # at most MAX_LOG_EVERY_N_STEPS: DDP ranks also agree on SIGTERM then
     val_every_n_epochs: int = 1
     limit_train_batches: int = -1  # -1: all; for smoke runs
     limit_val_batches: int = -1  # -1: all; a limit makes validation inexact
@@ -139,6 +140,7 @@ class TrainConfig:
     resume: str | None = None  # auto | a run dir | a checkpoint file; auto after a torchrun restart
     backend: str = "auto"  # auto | nccl | gloo; auto is nccl when CUDA is available, else gloo
     syncbn: bool = False  # synchronize BatchNorm statistics across ranks (strategy=ddp)
+    deterministic: bool = False  # cuDNN picks deterministic algorithms only (exact resume on GPUs; slower)
     seed: int = 0
 
 
@@ -177,7 +179,24 @@ def instantiate_checked(node: Any, key: str, **kwargs: Any) -> Any:
         raise
 
 
+def check_model_accepts(model: torch.nn.Module, sample: torch.Tensor) -> None:
+    """One sample through the model in eval mode, so data the model can't take (an image too small
+    for its pooling, the wrong channel count) stops the run now, as a one-line error."""
+    was_training = model.training
+    try:
+        with torch.no_grad():
+            model.eval()(sample.unsqueeze(0))
+    except (RuntimeError, ValueError) as error:
+        reason = str(error).strip().splitlines()[0]
+        raise ConfigError(f"data/model: the model can't take this data's samples (shape {list(sample.shape)}): "
+                          f"{reason}; check data.image_size / data.channels against model.*") from None
+    finally:
+        model.train(was_training)
+
+
 STRATEGIES = ("single", "dp", "ddp")
+# DDP ranks act on SIGTERM at log steps; this many steps must fit in the 20 s before a rank gives up.
+MAX_LOG_EVERY_N_STEPS = 100
 BACKENDS = ("auto", "nccl", "gloo")
 
 
@@ -210,6 +229,9 @@ def validate(cfg: Any, *, under_torchrun: bool, world_size: int) -> None:
     _check(cfg.data.batch_size > 0, f"data.batch_size={cfg.data.batch_size}: must be > 0 (it is per process), e.g. data.batch_size=32")
     _check(cfg.data.num_workers >= 0, f"data.num_workers={cfg.data.num_workers}: must be >= 0")
     _check(cfg.optim.lr > 0, f"optim.lr={cfg.optim.lr}: must be > 0, e.g. optim.lr=0.01")
+    if "momentum" in cfg.optim:  # torch accepts any momentum >= 0; from 1 on, updates grow without bound
+        momentum = cfg.optim.momentum
+        _check(0 <= momentum < 1, f"optim.momentum={momentum}: must be in [0, 1), e.g. optim.momentum=0.9")
     _check(cfg.strategy.timeout_s > 0, f"strategy.timeout_s={cfg.strategy.timeout_s}: must be > 0")
     trainer = cfg.trainer
     _check(trainer.max_epochs >= 1, f"trainer.max_epochs={trainer.max_epochs}: must be >= 1")
@@ -218,6 +240,11 @@ def validate(cfg: Any, *, under_torchrun: bool, world_size: int) -> None:
         _check(value == -1 or value >= 1, f"trainer.{key}={value}: must be -1 (no limit) or >= 1")
     for key in ("log_every_n_steps", "val_every_n_epochs"):
         _check(trainer[key] >= 1, f"trainer.{key}={trainer[key]}: must be >= 1")
+    _check(
+        trainer.log_every_n_steps <= MAX_LOG_EVERY_N_STEPS,
+        f"trainer.log_every_n_steps={trainer.log_every_n_steps}: must be <= {MAX_LOG_EVERY_N_STEPS} (DDP ranks check "
+        "for SIGTERM at log steps, and must reach one within 20 s of it)",
+    )
     _check(trainer.warmup_steps >= 0, f"trainer.warmup_steps={trainer.warmup_steps}: must be >= 0")
     _check(cfg.checkpoint.every_n_steps >= 0, f"checkpoint.every_n_steps={cfg.checkpoint.every_n_steps}: must be >= 0 (0: only at the end)")
     _check(cfg.checkpoint.keep_last >= 1, f"checkpoint.keep_last={cfg.checkpoint.keep_last}: must be >= 1")

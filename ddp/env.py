@@ -1,10 +1,15 @@
 """The process's place in the launch, read from the variables torchrun sets."""
 
+import logging
 import os
 from collections.abc import Mapping
 from dataclasses import dataclass
 
 import torch
+
+from ddp.config import ConfigError
+
+log = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True)
@@ -39,8 +44,26 @@ class DistEnv:
         return self.rank == 0
 
 
-def select_device(env: DistEnv) -> torch.device:
-    """cuda:LOCAL_RANK when CUDA is available, else cpu; everything moves there with .to(device)."""
-    if torch.cuda.is_available():
+def select_device(env: DistEnv, backend: str | None, visible_gpus: int) -> torch.device:
+    """The device this process trains on; everything moves there with .to(device).
+
+    `visible_gpus` is torch.cuda.device_count(): the GPUs that CUDA_VISIBLE_DEVICES leaves visible.
+    One visible GPU is cuda:0 whatever LOCAL_RANK is (one GPU per process: SLURM
+    --gpus-per-task=1, Kubernetes). More processes than GPUs work only over gloo, which lets ranks
+    share a GPU; nccl refuses two ranks on one GPU.
+    """
+    if visible_gpus == 0:
+        return torch.device("cpu")
+    if env.local_rank < visible_gpus:
         return torch.device("cuda", env.local_rank)
-    return torch.device("cpu")
+    if visible_gpus > 1 and backend == "nccl":
+        raise ConfigError(
+            f"LOCAL_RANK={env.local_rank} but only {visible_gpus} GPUs are visible, and backend=nccl needs one GPU per "
+            f"process: start at most {visible_gpus} processes per node (torchrun --nproc_per_node={visible_gpus}), "
+            "or use backend=gloo to share GPUs"
+        )
+    index = env.local_rank % visible_gpus
+    if backend == "gloo":
+        log.warning("LOCAL_RANK=%d with %d visible GPU(s): this rank uses cuda:%d, shared with other ranks "
+                    "of this node unless each process sees its own GPU", env.local_rank, visible_gpus, index)
+    return torch.device("cuda", index)

@@ -12,19 +12,22 @@ from ddp.process_group import all_reduce_sum
 log = logging.getLogger(__name__)
 
 
-# torchrun force-kills 30 s after its SIGTERM: leave time to save once at a step boundary.
+# torchrun force-kills 30 s after its SIGTERM: leave time to save once at a check step.
 STEP_BOUNDARY_GRACE_S = 20.0
 
 
 class StopOnSigterm:
     """Records SIGTERM instead of dying at once, so the loop can checkpoint at a step boundary.
 
-    A rank that doesn't reach one in time (stalled, or blocked in a collective whose peer is gone)
-    exits with 143 rather than holding up the shutdown.
+    Under DDP the ranks agree to stop only every `check_every_n_steps` steps and at an epoch's last
+    step, where the loop already waits for the device (loss logging, epoch totals): the other steps
+    do no collective and no host sync. A rank that doesn't reach a check in time (stalled, or
+    blocked in a collective whose peer is gone) exits with 143 rather than holding up the shutdown.
     """
 
-    def __init__(self, distributed: bool):
+    def __init__(self, distributed: bool, check_every_n_steps: int):
         self.distributed = distributed
+        self.check_every_n_steps = check_every_n_steps
         self.received = False
         self.deadline: threading.Timer | None = None
         signal.signal(signal.SIGTERM, self._handle)
@@ -43,10 +46,12 @@ class StopOnSigterm:
         logging.shutdown()
         os._exit(143)
 
-    def stop_now(self, device: torch.device) -> bool:
-        """True on every rank as soon as any rank got the signal, so all stop at the same step."""
+    def stop_now(self, step: int, epoch_ends: bool, device: torch.device) -> bool:
+        """True on every rank at the first check after any rank got the signal, so all stop at the same step."""
         stop = self.received
-        if self.distributed:  # one tiny all_reduce per step; a single process needs none
+        if self.distributed:
+            if step % self.check_every_n_steps and not epoch_ends:
+                return False
             stop = all_reduce_sum(torch.tensor([float(self.received)], device=device)).item() > 0
         if stop and self.deadline is not None:
             self.deadline.cancel()  # at the boundary now: the save may take what time is left

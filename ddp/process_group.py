@@ -53,8 +53,11 @@ def process_group(backend: str, env: DistEnv, device: torch.device, timeout_s: f
     if device.type == "cuda":
         torch.cuda.set_device(device)  # before init, or every rank's NCCL context lands on GPU 0
     timeout = timedelta(seconds=timeout_s)
-    dist.init_process_group(backend, store=_group_store(env, timeout), rank=env.rank, world_size=env.world_size, timeout=timeout)
-    log.info("process group up: backend=%s rank=%d world_size=%d", backend, env.rank, env.world_size)
+    dist.init_process_group(backend, store=_group_store(env, timeout), rank=env.rank, world_size=env.world_size,
+                            timeout=timeout, device_id=device if backend == "nccl" else None)  # eager NCCL init
+    # nccl's watchdog may abort the process on a timeout before the message below can print.
+    log.info("process group up: backend=%s rank=%d world_size=%d device=%s; a collective stuck for "
+             "strategy.timeout_s=%g s ends the job", backend, env.rank, env.world_size, device, timeout_s)
     try:
         yield
     except BaseException as error:
@@ -78,19 +81,45 @@ def all_reduce_sum(tensor: torch.Tensor) -> torch.Tensor:
     return tensor
 
 
+def broadcast_buffers_from_rank_zero(module: torch.nn.Module) -> None:
+    """Give every rank rank 0's buffers (BatchNorm running stats), the ones its checkpoint holds.
+
+    Without SyncBN, DDP broadcasts rank 0's buffers before each forward, then every rank updates
+    them from its own batch: after training each rank holds different statistics, and evaluating
+    them would score each shard with a different model.
+    """
+    if dist.is_available() and dist.is_initialized():
+        for buffer in module.buffers():
+            dist.broadcast(buffer, src=0)
+
+
 def replicas_identical(module: torch.nn.Module, include_buffers: bool) -> bool:
     """Whether every rank holds bit-identical parameters (and buffers); True for one process.
 
     DDP keeps replicas equal only if every rank does the same math; a rank-dependent branch makes
-    them drift silently. Checked once at the end of a run. Buffers are only comparable with SyncBN:
-    plain BatchNorm updates its running stats from the local batch after DDP broadcast rank 0's.
+    them drift silently. Checked once at the end of a run. Without SyncBN, compare buffers only
+    after `broadcast_buffers_from_rank_zero`: each rank updates them from its own batch.
     """
     if not (dist.is_available() and dist.is_initialized()):
         return True
     tensors = module.state_dict().values() if include_buffers else module.parameters()
-    # float64 holds every float32 and small-int value exactly, so max == min means bit-identical.
-    flat = torch.cat([t.detach().reshape(-1).double() for t in tensors])
-    highest, lowest = flat.clone(), flat.clone()
+    # Two integers per tensor rather than the model itself: O(tensors) on the wire, and no
+    # model-sized allocation on the device at the end of a run.
+    digests = torch.stack([_bit_digest(t) for t in tensors])
+    highest, lowest = digests.clone(), digests.clone()
     dist.all_reduce(highest, op=dist.ReduceOp.MAX)
     dist.all_reduce(lowest, op=dist.ReduceOp.MIN)
     return bool(torch.equal(highest, lowest))
+
+
+_SAME_SIZE_INT = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
+
+
+def _bit_digest(tensor: torch.Tensor) -> torch.Tensor:
+    """The sums of a tensor's bit patterns (as integers) and of their squares: any change of a bit
+    changes them. int64 sums wrap the same way on every rank."""
+    bits = tensor.detach().reshape(-1)
+    if bits.is_floating_point():
+        bits = bits.view(_SAME_SIZE_INT[bits.element_size()])
+    bits = bits.to(torch.int64)
+    return torch.stack([bits.sum(), (bits * bits).sum()])

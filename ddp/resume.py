@@ -28,10 +28,11 @@ class Position:
 
 
 def checkpoint_state(model: nn.Module, optimizer, position: Position, rank_states: list[dict[str, Any]], config: dict) -> dict[str, Any]:
-    """Everything a resume needs, as plain containers and tensors (loadable with weights_only=True)."""
+    """Everything a resume needs, as plain containers and CPU tensors: it loads with weights_only=True
+    on any host, GPUs or not (optimizer.load_state_dict moves the state back to the parameters' device)."""
     return {
-        "model": model.state_dict(),
-        "optimizer": optimizer.state_dict(),
+        "model": to_cpu(model.state_dict()),
+        "optimizer": to_cpu(optimizer.state_dict()),
         "epoch": position.epoch,
         "batch_in_epoch": position.batch_in_epoch,
         "global_step": position.global_step,
@@ -40,6 +41,17 @@ def checkpoint_state(model: nn.Module, optimizer, position: Position, rank_state
         "ranks": rank_states,
         "config": config,
     }
+
+
+def to_cpu(state: Any) -> Any:
+    """`state` with every tensor copied to the CPU, so a checkpoint never names a CUDA device."""
+    if isinstance(state, torch.Tensor):
+        return state.detach().cpu()
+    if isinstance(state, dict):
+        return {key: to_cpu(value) for key, value in state.items()}
+    if isinstance(state, (list, tuple)):
+        return type(state)(to_cpu(value) for value in state)
+    return state
 
 
 def resume_position(path: Path, checkpoint: dict[str, Any], world_size: int, rank: int) -> tuple[Position, dict[str, Any] | None]:
@@ -93,11 +105,16 @@ def load_model_state(model: nn.Module, state_dict: dict[str, torch.Tensor], sour
     model.load_state_dict(state_dict, strict=True)
 
 
-def capture_rank_state(loader_generator: torch.Generator, epoch_totals: torch.Tensor) -> dict[str, Any]:
-    """This rank's random state and partial-epoch loss, as plain containers and tensors."""
+def capture_rank_state(loader_generator: torch.Generator, epoch_totals: torch.Tensor, cuda_devices: list[int]) -> dict[str, Any]:
+    """This rank's random state and partial-epoch loss, as plain containers and tensors.
+
+    `cuda_devices`: the GPUs this rank computes on (its own device; DataParallel's device_ids).
+    Only their RNG states are kept, so a resume that sees fewer or renumbered GPUs restores the
+    streams of the devices it trains on, not another device's or an IndexError.
+    """
     return {
         "torch_rng": torch.get_rng_state(),
-        "cuda_rng": torch.cuda.get_rng_state_all() if torch.cuda.is_available() else [],
+        "cuda_rng": [torch.cuda.get_rng_state(index) for index in cuda_devices],
         "python_rng": random.getstate(),
         # Reseeded per (rank, epoch) by ddp.loaders.start_epoch, so resume re-derives it; kept for inspection.
         "loader_rng": loader_generator.get_state(),
@@ -105,10 +122,13 @@ def capture_rank_state(loader_generator: torch.Generator, epoch_totals: torch.Te
     }
 
 
-def restore_rank_state(state: dict[str, Any]) -> None:
+def restore_rank_state(state: dict[str, Any], cuda_devices: list[int]) -> None:
     torch.set_rng_state(state["torch_rng"])
-    if state["cuda_rng"]:
-        torch.cuda.set_rng_state_all(state["cuda_rng"])
+    if len(state["cuda_rng"]) != len(cuda_devices):
+        log.warning("checkpoint holds the CUDA RNG state of %d device(s), this rank trains on %d: "
+                    "restoring the first %d", len(state["cuda_rng"]), len(cuda_devices), min(len(state["cuda_rng"]), len(cuda_devices)))
+    for rng_state, index in zip(state["cuda_rng"], cuda_devices):
+        torch.cuda.set_rng_state(rng_state, index)
     random.setstate(state["python_rng"])
 
 

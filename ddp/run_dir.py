@@ -8,6 +8,7 @@ restarts the workers.
 
 import functools
 import os
+import sys
 import time
 from datetime import datetime
 from pathlib import Path
@@ -35,10 +36,11 @@ def launch_time() -> float:
     # run id, which torchrun keeps across restarts.
     run_id = os.environ["TORCHELASTIC_RUN_ID"]
     if run_id == "none":
-        raise RuntimeError(
-            "static rendezvous (--master-port) with TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1 gives the ranks no "
-            "shared launch id: pass --rdzv-id=<unique id> to torchrun, or set hydra.run.dir explicitly"
-        )
+        # Raised inside Hydra's resolution of the run dir, where an exception becomes a traceback.
+        print("error: torchrun gave this launch no id (--rdzv-id defaults to none with --rdzv-endpoint) and "
+              "TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1 disables its shared store, so the ranks can't agree on a run dir: "
+              "pass --rdzv-id=<unique id> to torchrun, or set hydra.run.dir explicitly", file=sys.stderr)
+        sys.exit(1)
     claim = Path("outputs/.launches") / run_id
     claim.parent.mkdir(parents=True, exist_ok=True)
     try:

@@ -6,10 +6,14 @@ this is a separate ``_BatchNorm`` (deliberately *not* an ``nn.SyncBatchNorm``)
 that computes batch statistics over all ranks with plain ``all_reduce`` calls.
 """
 
+import logging
+
 import torch
 import torch.distributed as dist
 from torch import nn
 from torch.nn.modules.batchnorm import _BatchNorm
+
+log = logging.getLogger(__name__)
 
 
 def _reduce_dims(x):
@@ -133,6 +137,8 @@ def convert_syncbn(model: nn.Module, device: torch.device) -> nn.Module:
     CUDA gets torch's fused ``nn.SyncBatchNorm``; everything else gets
     ``CPUSyncBatchNorm``, because torch's version (and DDP with it) refuses CPU modules.
     """
-    if torch.device(device).type == "cuda":
-        return nn.SyncBatchNorm.convert_sync_batchnorm(model)
-    return CPUSyncBatchNorm.convert_sync_batchnorm(model)
+    sync_class = nn.SyncBatchNorm if torch.device(device).type == "cuda" else CPUSyncBatchNorm
+    model = sync_class.convert_sync_batchnorm(model)
+    converted = sum(isinstance(module, sync_class) for module in model.modules())
+    log.info("syncbn: %d BatchNorm layers are %s.%s", converted, sync_class.__module__, sync_class.__qualname__)
+    return model

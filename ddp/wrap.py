@@ -22,7 +22,7 @@ def wrap_model(model: nn.Module, strategy_cfg, env: DistEnv, device: torch.devic
         return nn.DataParallel(model)
     return DistributedDataParallel(
         model,
-        device_ids=[env.local_rank] if device.type == "cuda" else None,
+        device_ids=[device.index] if device.type == "cuda" else None,
         bucket_cap_mb=strategy_cfg.bucket_cap_mb,
         find_unused_parameters=strategy_cfg.find_unused_parameters,
     )
@@ -33,3 +33,22 @@ def unwrap_model(model: nn.Module) -> nn.Module:
     if isinstance(model, (nn.DataParallel, DistributedDataParallel)):
         return model.module
     return model
+
+
+def process_gpus(strategy: str, device: torch.device) -> list[int]:
+    """The GPUs this process computes on: every visible one for DataParallel (its default
+    device_ids), else the process's own device; none on CPU."""
+    if device.type != "cuda":
+        return []
+    if strategy == "dp":
+        return list(range(torch.cuda.device_count()))
+    return [device.index]
+
+
+def seed_dataparallel_replicas(model: nn.Module, seed: int) -> None:
+    """torch.manual_seed gives every GPU the same seed, so DataParallel's replicas would draw the same
+    dropout masks for their chunks of the batch; give each replica's device its own stream."""
+    if isinstance(model, nn.DataParallel):
+        for index in model.device_ids[1:]:
+            with torch.cuda.device(index):
+                torch.cuda.manual_seed(seed + 1_000_003 * index)

@@ -1,13 +1,17 @@
 """Helpers for tests that run train.py for real: as `python` or under `torchrun`, in a tmp dir."""
 
-import json
 import os
-import subprocess
-import sys
-from pathlib import Path
 
-import pytest
-import torch
+# The suite is CPU and gloo on any host: no test, and no process it starts, sees a GPU.
+os.environ["CUDA_VISIBLE_DEVICES"] = ""
+
+import json  # noqa: E402
+import subprocess  # noqa: E402
+import sys  # noqa: E402
+from pathlib import Path  # noqa: E402
+
+import pytest  # noqa: E402
+import torch  # noqa: E402
 
 REPO = Path(__file__).resolve().parents[1]
 TRAIN = REPO / "train.py"
@@ -26,12 +30,13 @@ TINY = [
 ]
 
 
-def launch(args: list[str], cwd: Path, nproc: int | None = None, env: dict | None = None, timeout: float = 180):
-    """Run train.py with `args` in `cwd` (so outputs/ lands there); under torchrun when nproc is given."""
+def launch(args: list[str], cwd: Path, nproc: int | None = None, env: dict | None = None, timeout: float = 180,
+           script: Path = TRAIN):
+    """Run train.py (or `script`) with `args` in `cwd` (so outputs/ lands there); under torchrun when nproc is given."""
     if nproc is None:
-        command = [sys.executable, str(TRAIN), *args]
+        command = [sys.executable, str(script), *args]
     else:
-        command = [str(TORCHRUN), f"--nproc_per_node={nproc}", str(TRAIN), *args]
+        command = [str(TORCHRUN), f"--nproc_per_node={nproc}", str(script), *args]
     clean = {k: v for k, v in os.environ.items() if k not in ("RANK", "LOCAL_RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")}
     # As in the Makefile: gloo re-initialises reliably after torchrun restarts only without the shared store.
     defaults = {"PYTHONUNBUFFERED": "1", "TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1"}
@@ -55,6 +60,19 @@ def ddp_run(tmp_path_factory):
     """2 ranks x batch 8 with SyncBN; 128 samples, so both ranks see 8 equal batches per epoch."""
     cwd = tmp_path_factory.mktemp("ddp")
     result = launch(["strategy=ddp", "syncbn=true", *TINY, "data.batch_size=8"], cwd, nproc=2)
+    check(result)
+    return cwd, result
+
+
+@pytest.fixture(scope="session")
+def plain_ddp_run(tmp_path_factory):
+    """2 ranks without SyncBN, so each rank's BatchNorm statistics drift apart; train.py runs under
+    tests/workers/instrumented_train.py, which records every collective and host read per step and
+    each rank's final weights in watch/. Logs every 4 steps; 8 steps per epoch, 2 epochs."""
+    cwd = tmp_path_factory.mktemp("plain_ddp")
+    (cwd / "watch").mkdir()
+    result = launch(["strategy=ddp", *TINY, "model.dropout=0.2", "trainer.log_every_n_steps=4", "checkpoint.every_n_steps=0"],
+                    cwd, nproc=2, env={"WATCH_DIR": str(cwd / "watch")}, script=REPO / "tests" / "workers" / "instrumented_train.py")
     check(result)
     return cwd, result
 

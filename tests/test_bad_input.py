@@ -5,12 +5,14 @@ Our own checks (ddp/config.py `validate`, `resolve_backend`, the data builders) 
 line `error: <message>` on stderr and exit 1; Hydra's composition errors are Hydra's own messages.
 """
 
+import os
 import socket
+import subprocess
 from pathlib import Path
 
 import pytest
 
-from conftest import TRAIN, launch
+from conftest import TORCHRUN, TRAIN, launch
 
 # A tiny run where the case allows; a case's own args come after these, and the last override wins.
 QUICK = ["trainer.max_epochs=1", "data=synthetic", "data.num_samples=32", "data.num_val_samples=8"]
@@ -24,10 +26,14 @@ def _logs(tmp_path: Path) -> str:
     return "".join(log.read_text() for log in tmp_path.rglob("train_rank*.log"))
 
 
-def assert_nothing_trained(tmp_path: Path, result) -> None:
-    """No traceback, no training started, no process group, no event file, no checkpoint."""
+def assert_nothing_trained(tmp_path: Path, result, under_torchrun: bool = False) -> None:
+    """No traceback, no training started, no process group, no event file, no checkpoint.
+    (torchrun prints its own ChildFailedError traceback: under it, none of the frames may be ours.)"""
     text = _output(result) + _logs(tmp_path)
-    assert "Traceback" not in _output(result), _output(result)
+    if under_torchrun:
+        assert f'File "{TRAIN}"' not in _output(result), _output(result)
+    else:
+        assert "Traceback" not in _output(result), _output(result)
     assert "process group up" not in text, text
     assert "global_batch=" not in text, text  # fit()'s first log line: training never began
     assert not list(tmp_path.rglob("events.out.tfevents*")), "a TensorBoard event file was written"
@@ -89,6 +95,13 @@ OUR_ERRORS = {
         QUICK + ["trainer.limit_train_batches=0"], "trainer.limit_train_batches=0", "must be -1 (no limit) or >= 1", None,
     ),
     "zero_log_every": (QUICK + ["trainer.log_every_n_steps=0"], "trainer.log_every_n_steps=0", "must be >= 1", None),
+    "log_every_beyond_the_sigterm_grace": (
+        QUICK + ["trainer.log_every_n_steps=101"], "trainer.log_every_n_steps=101", "must be <= 100", None,
+    ),
+    "momentum_of_one_or_more": (QUICK + ["optim.momentum=2"], "optim.momentum=2", "must be in [0, 1)", None),
+    "image_the_model_cannot_take": (
+        QUICK + ["data.image_size=0"], "data.image_size", ("the model can't take this data's samples", "[3, 0, 0]"), None,
+    ),
     "imagefolder_without_root": (["trainer.max_epochs=1", "data=imagefolder"], "data.root", "data.root is required", None),
     "imagefolder_missing_root": (
         ["trainer.max_epochs=1", "data=imagefolder", "data.root={tmp}/missing"], "data.root={tmp}/missing",
@@ -158,21 +171,45 @@ def test_composition_errors_fail_before_the_run_dir_exists(tmp_path, args, expec
     assert not (tmp_path / "outputs").exists(), "a run dir was created for a config that does not compose"
 
 
-def test_single_strategy_under_torchrun_points_to_ddp(tmp_path):
-    """torchrun with 2 workers and strategy=single stops every rank with a hint to use strategy=ddp."""
+def _free_port() -> int:
     with socket.socket() as sock:  # a free port, so a concurrent torchrun on 29500 can't collide
         sock.bind(("127.0.0.1", 0))
-        port = sock.getsockname()[1]
-    result = launch(QUICK + ["strategy=single"], cwd=tmp_path, nproc=2, env={"PET_MASTER_PORT": str(port)}, timeout=180)
+        return sock.getsockname()[1]
+
+
+def test_download_with_several_ranks_is_refused_on_every_rank(tmp_path):
+    """Several ranks downloading into one folder would race; each rank stops before any side effect."""
+    result = launch(["trainer.max_epochs=1", "strategy=ddp", "data=cifar10", f"data.root={tmp_path / 'cifar'}", "data.download=true"],
+                    cwd=tmp_path, nproc=2, env={"PET_MASTER_PORT": str(_free_port())}, timeout=180)
+    assert result.returncode != 0, _output(result)
+    ours = [line for line in _output(result).splitlines() if line.startswith("error: ")]
+    assert len(ours) == 2, _output(result)
+    assert all(line.startswith("error: data.download=true: download with one process first") for line in ours), ours
+    assert not (tmp_path / "cifar").exists()
+    assert_nothing_trained(tmp_path, result, under_torchrun=True)
+
+
+def test_torchrun_without_a_launch_id_or_shared_store_says_how_to_fix_it(tmp_path):
+    """--rdzv-endpoint without --rdzv-id gives the launch the id `none`; with the shared store off the
+    ranks could not agree on a run dir, so each stops with one line before Hydra makes one."""
+    command = [str(TORCHRUN), "--nproc_per_node=2",
+               "--rdzv-backend=c10d", f"--rdzv-endpoint=127.0.0.1:{_free_port()}", str(TRAIN), *QUICK, "strategy=ddp"]
+    result = subprocess.run(command, cwd=tmp_path, capture_output=True, text=True, timeout=180,
+                            env=os.environ | {"TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1"})
+    assert result.returncode != 0, _output(result)
+    ours = [line for line in _output(result).splitlines() if line.startswith("error: ")]
+    assert len(ours) == 2 and all("pass --rdzv-id=<unique id> to torchrun" in line for line in ours), _output(result)
+    assert not list(tmp_path.rglob("*.log"))  # Hydra never got to make the run dir
+    assert_nothing_trained(tmp_path, result, under_torchrun=True)
+
+
+def test_single_strategy_under_torchrun_points_to_ddp(tmp_path):
+    """torchrun with 2 workers and strategy=single stops every rank with a hint to use strategy=ddp."""
+    result = launch(QUICK + ["strategy=single"], cwd=tmp_path, nproc=2, env={"PET_MASTER_PORT": str(_free_port())}, timeout=180)
     output = _output(result)
     assert result.returncode != 0, output
     ours = [line for line in output.splitlines() if line.startswith("error: ")]
     assert ours, output
     assert all("strategy=single runs one process, but torchrun started 2" in line for line in ours), ours
     assert all("use strategy=ddp" in line for line in ours), ours
-    # torchrun prints its own ChildFailedError traceback; none of the frames may be ours.
-    assert f'File "{TRAIN}"' not in output, output
-    text = output + _logs(tmp_path)
-    assert "process group up" not in text and "global_batch=" not in text, text
-    assert not list(tmp_path.rglob("events.out.tfevents*")), "a TensorBoard event file was written"
-    assert not list(tmp_path.rglob("*.pt")), "a checkpoint was written"
+    assert_nothing_trained(tmp_path, result, under_torchrun=True)

@@ -45,7 +45,7 @@ DEFAULT_KEYS = {
     "trainer.limit_train_batches", "trainer.limit_val_batches", "trainer.warmup_steps",
     "checkpoint.every_n_steps", "checkpoint.keep_last",
     "fault.kill_rank", "fault.raise_rank", "fault.stall_rank", "fault.at_step", "fault.every_attempt",
-    "backend", "syncbn", "seed", "resume",
+    "backend", "syncbn", "deterministic", "seed", "resume",
 }
 
 # The keys each option adds to its group. Update this list deliberately when adding an option.

@@ -7,11 +7,15 @@ import subprocess
 
 import pytest
 import torch
-from torch import nn
+from hydra.utils import instantiate
+from omegaconf import OmegaConf
 
 from conftest import REPO, TINY, TORCHRUN, check, launch, load_last, load_results, run_dirs
-from ddp.wrap import unwrap_model
+from data import build_datasets
+from ddp.env import DistEnv
+from ddp.loaders import build_val_loader
 from models.small_cnn import SmallCNN
+from train import evaluate
 
 
 def test_two_ranks_match_one_process_with_the_global_batch(ddp_run, single_run):
@@ -25,8 +29,51 @@ def test_two_ranks_match_one_process_with_the_global_batch(ddp_run, single_run):
     assert (ddp_results["global_batch_size"], single_results["global_batch_size"]) == (16, 16)
 
 
-def test_ranks_end_bit_identical(ddp_run):
-    assert load_results(ddp_run[0])["replicas_identical"] is True
+def test_ranks_end_bit_identical_and_the_replica_check_sees_one_ulp(plain_ddp_run):
+    """Each rank's final weights, saved from outside train.py's code, are equal bit for bit (BatchNorm
+    buffers too: rank 0's are broadcast before the final evaluation), and equal to the checkpoint;
+    the product's replica check agrees, and says False when rank 1 differs by one ulp."""
+    cwd, _ = plain_ddp_run
+    watch = cwd / "watch"
+    rank0, rank1 = (torch.load(watch / f"state_rank{rank}.pt", weights_only=True) for rank in (0, 1))
+    assert rank0.keys() == rank1.keys() and any(key.endswith("running_mean") for key in rank0)
+    for key in rank0:
+        assert torch.equal(rank0[key], rank1[key]), key
+        assert torch.equal(rank0[key], load_last(cwd)["model"][key]), key
+    assert load_results(cwd)["replicas_identical"] is True
+    assert [(watch / f"nudged_rank{rank}.txt").read_text() for rank in (0, 1)] == ["False", "False"]
+
+
+def test_reported_metrics_are_those_of_the_saved_model(plain_ddp_run):
+    """Without SyncBN every rank updates BatchNorm statistics from its own batches. The metrics a
+    2-rank run reports must be those of the model it saved: its last.pt, evaluated in one process."""
+    cwd, _ = plain_ddp_run
+    checkpoint, results = load_last(cwd), load_results(cwd)
+    cfg = OmegaConf.create(checkpoint["config"])
+    splits = build_datasets(cfg.data)
+    model = instantiate(cfg.model, num_classes=splits.num_classes, in_channels=splits.in_channels)
+    model.load_state_dict(checkpoint["model"], strict=True)
+    metrics = evaluate(model, build_val_loader(splits.val, cfg.data, DistEnv(), pin_memory=False), torch.device("cpu"), -1)
+    assert metrics["val_samples"] == results["val_samples"] == 37
+    assert metrics["val_accuracy"] == results["val_accuracy"]
+    assert metrics["val_loss"] == pytest.approx(results["val_loss"], rel=1e-6)  # float32 sums over other batch groupings
+
+
+def test_no_collective_or_host_read_on_steps_that_do_not_log(plain_ddp_run):
+    """The CPU must be able to queue step k+1 while the device runs step k: between two optimizer
+    steps that neither log, end an epoch nor save, train.py does no collective and no .item()/.tolist()
+    (DDP's own gradient all_reduce runs in C++, outside what is counted). On log steps the ranks agree
+    on SIGTERM, so collectives show up there."""
+    cwd, _ = plain_ddp_run
+    for rank in (0, 1):
+        events = json.loads((cwd / "watch" / f"syncs_rank{rank}.json").read_text())
+        by_step: dict[int, list[str]] = {}
+        for step, name in events:
+            by_step.setdefault(step, []).append(name)
+        quiet_steps = [step for step in range(1, 16) if step % 4 and step != 8]
+        assert {step: by_step[step] for step in quiet_steps if step in by_step} == {}, rank
+        for log_step in (4, 12):
+            assert "all_reduce" in by_step[log_step] and "item" in by_step[log_step], (rank, by_step.get(log_step))
 
 
 def test_one_run_dir_one_hydra_dir_rank_zero_events_and_a_log_per_rank(ddp_run):
@@ -56,17 +103,30 @@ def test_results_report_the_run(ddp_run):
         assert results[key] > 0, key
 
 
-def test_ddp_checkpoint_loads_strictly_into_single_and_dataparallel_models(ddp_run):
+def test_ddp_checkpoint_loads_strictly_into_a_single_model(ddp_run):
     checkpoint = load_last(ddp_run[0])
     assert not any(key.startswith("module.") for key in checkpoint["model"])
     assert (checkpoint["epoch"], checkpoint["batch_in_epoch"], checkpoint["global_step"]) == (2, 0, 16)
     assert checkpoint["optimizer"]["state"], "optimizer state is saved"
-    single = SmallCNN(num_classes=10, in_channels=3, channels=[8, 16])
-    single.load_state_dict(checkpoint["model"], strict=True)
-    dataparallel = nn.DataParallel(SmallCNN(num_classes=10, in_channels=3, channels=[8, 16]))
-    unwrap_model(dataparallel).load_state_dict(checkpoint["model"], strict=True)
-    images = torch.randn(4, 3, 8, 8)
-    torch.testing.assert_close(single.eval()(images), dataparallel.eval()(images), rtol=0, atol=0)
+    assert all(t.device.type == "cpu" for t in checkpoint["model"].values())
+    SmallCNN(num_classes=10, in_channels=3, channels=[8, 16]).load_state_dict(checkpoint["model"], strict=True)
+
+
+def test_dataparallel_run_resumes_a_ddp_checkpoint_and_reports_its_metrics(ddp_run, tmp_path):
+    """strategy=dp end to end: the 2-rank DDP checkpoint loads into the DataParallel run (world size 1:
+    weights only, with a warning), nothing is left to train, and DP's eval path scores the same model
+    with the same metrics; without GPUs the run says it uses one CPU replica."""
+    ddp_dir = run_dirs(ddp_run[0])[0]
+    result = launch(["strategy=dp", "syncbn=true", *TINY, f"resume={ddp_dir / 'checkpoints' / 'last.pt'}"], tmp_path)
+    check(result)
+    assert "checkpoint has world_size=2, this run 1: resuming the weights, but not bit-identically" in result.stdout
+    assert "no CUDA GPUs visible, so DataParallel runs one replica on CPU" in result.stdout
+    assert "syncbn=true has no effect with strategy=dp: DataParallel's replicas each normalise their own chunk" in result.stdout
+    dp, ddp = load_results(tmp_path), load_results(ddp_run[0])
+    assert (dp["strategy"], dp["world_size"], dp["steps"]) == ("dp", 1, 16)
+    assert dp["val_samples"] == ddp["val_samples"] == 37
+    assert dp["val_accuracy"] == ddp["val_accuracy"]
+    assert dp["val_loss"] == pytest.approx(ddp["val_loss"], rel=1e-6)
 
 
 def test_ranks_agree_on_the_run_dir_with_torchruns_shared_store(tmp_path):

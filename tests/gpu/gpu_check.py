@@ -1,0 +1,200 @@
+"""`make gpu-check`: the CUDA paths of train.py in one short run on one GPU.
+
+    make gpu-check                  # with the project's .venv
+    make gpu-check PY=python3       # with any Python that has torch (2.11 or newer) and hydra-core
+
+Each check launches train.py for real (python or torchrun) in a scratch dir and prints one
+PASS/FAIL line with its figures; the exit status is 0 when all pass. Without a CUDA GPU it says so
+and exits 0 without running anything. It uses at most one GPU (cuda:0): two ranks share it over
+gloo, and nccl runs at world size 1.
+"""
+
+import json
+import os
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+
+REPO = Path(__file__).resolve().parents[2]
+TRAIN = REPO / "train.py"
+TORCHRUN = [sys.executable, "-m", "torch.distributed.run"]
+# Small and quick, with BatchNorm, dropout and random augmentation where a check needs them.
+TINY = ["data=synthetic", "data.num_samples=256", "data.num_val_samples=64", "data.image_size=16", "model.channels=[16,32]"]
+
+
+def launch(args: list[str], cwd: Path, nproc: int | None = None, env: dict | None = None, max_restarts: int = 0,
+           timeout: float = 240) -> subprocess.CompletedProcess:
+    """train.py in `cwd` (made if needed) on cuda:0 only; under torchrun when `nproc` is given."""
+    cwd.mkdir(parents=True, exist_ok=True)
+    if nproc is None:
+        command = [sys.executable, str(TRAIN), *args]
+    else:
+        command = [*TORCHRUN, f"--nproc_per_node={nproc}", f"--max-restarts={max_restarts}", str(TRAIN), *args]
+    environment = os.environ | {"CUDA_VISIBLE_DEVICES": "0", "PYTHONUNBUFFERED": "1",
+                                "TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1"} | (env or {})
+    result = subprocess.run(command, cwd=cwd, env=environment, capture_output=True, text=True, timeout=timeout)
+    if result.returncode != 0:
+        raise AssertionError(f"exit {result.returncode}: {' '.join(args)}\n{result.stdout[-3000:]}\n{result.stderr[-3000:]}")
+    return result
+
+
+def run_dir(cwd: Path) -> Path:
+    (found,) = {log.parent for log in (cwd / "outputs").rglob("train_rank0.log")}
+    return found
+
+
+def results(cwd: Path) -> dict:
+    return json.loads((run_dir(cwd) / "results.json").read_text())
+
+
+def last_checkpoint(cwd: Path) -> dict:
+    return torch.load(run_dir(cwd) / "checkpoints" / "last.pt", map_location="cpu", weights_only=True)
+
+
+def tensor_differences(actual, expected, where: str = "") -> list[str]:
+    """Every tensor (in nested dicts/lists) that differs, with its largest absolute difference."""
+    if isinstance(expected, torch.Tensor):
+        if actual.shape != expected.shape or not torch.equal(actual, expected):
+            diff = (actual.double() - expected.double()).abs().max().item() if actual.shape == expected.shape else float("nan")
+            return [f"{where} (max abs diff {diff:.3g})"]
+        return []
+    if isinstance(expected, dict):
+        return [d for key in expected for d in tensor_differences(actual[key], expected[key], f"{where}.{key}")]
+    if isinstance(expected, (list, tuple)):
+        return [d for i, (a, e) in enumerate(zip(actual, expected)) for d in tensor_differences(a, e, f"{where}[{i}]")]
+    return [] if actual == expected else [f"{where}: {actual!r} vs {expected!r}"]
+
+
+def check_single_learns_digits(scratch: Path) -> str:
+    cwd = scratch / "single"
+    out = launch(["strategy=single", "trainer.max_epochs=5", "data.num_workers=2"], cwd)
+    found = results(cwd)
+    assert "device=cuda:0" in out.stdout, "did not train on cuda:0"
+    assert found["val_accuracy"] > 0.9, found
+    assert found["peak_memory_device"] == "cuda:0", found
+    return f"val_accuracy={found['val_accuracy']:.4f} samples_per_s={found['samples_per_s']:.0f} (digits, pin_memory, 2 workers)"
+
+
+def check_nccl_world_size_1_with_torch_syncbn(scratch: Path) -> str:
+    cwd = scratch / "nccl"
+    out = launch(["strategy=ddp", "backend=nccl", "syncbn=true", "trainer.max_epochs=2"], cwd, nproc=1)
+    text = out.stdout + (run_dir(cwd) / "train_rank0.log").read_text()
+    assert "backend=nccl" in text, "process group was not nccl"
+    assert "torch.nn.modules.batchnorm.SyncBatchNorm" in text, "torch's nn.SyncBatchNorm was not used"
+    found = results(cwd)
+    assert found["val_accuracy"] > 0.5, found
+    return f"val_accuracy={found['val_accuracy']:.4f} (torch nn.SyncBatchNorm, nccl)"
+
+
+def check_two_ranks_share_the_gpu_and_match_one_process(scratch: Path) -> str:
+    """2 ranks x batch 8 with torch's SyncBN over gloo equal 1 process x batch 16 (as the CPU suite checks)."""
+    common = [*TINY, "data.num_samples=128", "trainer.max_epochs=2", "deterministic=true"]
+    launch(["strategy=ddp", "backend=gloo", "syncbn=true", *common, "data.batch_size=8"], scratch / "shared", nproc=2)
+    launch(["strategy=single", *common, "data.batch_size=16"], scratch / "reference16")
+    shared, single = last_checkpoint(scratch / "shared")["model"], last_checkpoint(scratch / "reference16")["model"]
+    worst = max((shared[k].double() - single[k].double()).abs().max().item() for k in single if single[k].is_floating_point())
+    for key in single:
+        torch.testing.assert_close(shared[key], single[key], rtol=1e-3, atol=1e-4, msg=lambda m, key=key: f"{key}: {m}")
+    assert results(scratch / "shared")["replicas_identical"] is True
+    return f"2x8 == 1x16 within rtol 1e-3 (largest difference {worst:.2g}); replicas identical"
+
+
+def check_dataparallel_on_one_gpu(scratch: Path) -> str:
+    cwd = scratch / "dp"
+    launch(["strategy=dp", *TINY, "trainer.max_epochs=1"], cwd)
+    found = results(cwd)
+    assert (found["strategy"], found["peak_memory_device"]) == ("dp", "cuda:0"), found
+    return f"val_samples={found['val_samples']} peak_memory_mb={found['peak_memory_mb']:.0f} on {found['peak_memory_device']}"
+
+
+def check_kill_and_resume_is_exact(scratch: Path) -> str:
+    """Dropout on the GPU draws from the CUDA RNG: its state must come back with the checkpoint."""
+    exact = ["strategy=ddp", "backend=gloo", *TINY, "data.num_samples=128", "data.batch_size=8", "model.dropout=0.3",
+             "data.augment=true", "data.num_workers=2", "trainer.max_epochs=2", "checkpoint.every_n_steps=5",
+             "deterministic=true"]
+    launch(exact, scratch / "uninterrupted", nproc=2)
+    launch([*exact, "fault.kill_rank=1", "fault.at_step=7"], scratch / "killed", nproc=2, max_restarts=1)
+    killed, reference = last_checkpoint(scratch / "killed"), last_checkpoint(scratch / "uninterrupted")
+    log = (run_dir(scratch / "killed") / "train_rank0.log").read_text()
+    assert "resumed from" in log and "at epoch 0, batch 5, step 5" in log, "the restarted run did not resume from step 5"
+    differences = tensor_differences({k: killed[k] for k in ("model", "optimizer", "ranks", "global_step")},
+                                     {k: reference[k] for k in ("model", "optimizer", "ranks", "global_step")})
+    assert not differences, f"{len(differences)} differ: " + "; ".join(differences[:8])
+    cuda_states = [len(rank["cuda_rng"]) for rank in killed["ranks"]]
+    assert cuda_states == [1, 1], f"CUDA RNG states per rank: {cuda_states}"
+    return "kill at step 7, resume from step 5: model, optimizer and every rank's CPU and CUDA RNG state bit-identical"
+
+
+def check_checkpoint_loads_on_a_cpu_only_host(scratch: Path) -> str:
+    """The single run's checkpoint: its weights and SGD momentum buffers lived on cuda:0."""
+    path = run_dir(scratch / "single") / "checkpoints" / "last.pt"
+    code = ("import sys, torch; assert not torch.cuda.is_available(); "
+            "c = torch.load(sys.argv[1], weights_only=True); "
+            "tensors = [*c['model'].values(), *(t for s in c['optimizer']['state'].values() for t in s.values())]; "
+            "print(sorted({t.device.type for t in tensors if isinstance(t, torch.Tensor)}))")
+    out = subprocess.run([sys.executable, "-c", code, str(path)], capture_output=True, text=True, timeout=120,
+                         env=os.environ | {"CUDA_VISIBLE_DEVICES": ""})
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert out.stdout.strip() == "['cpu']", out.stdout
+    return "torch.load(weights_only=True) with CUDA_VISIBLE_DEVICES='' loads it; weights and optimizer state on cpu"
+
+
+def check_peak_memory_resets_between_multirun_jobs(scratch: Path) -> str:
+    cwd = scratch / "memory"
+    launch(["-m", "strategy=single", "model=resnet18", "data=synthetic", "data.image_size=32", "data.num_samples=1024",
+            "data.num_val_samples=64", "trainer.max_epochs=1", "trainer.limit_train_batches=3", "data.batch_size=256,8"], cwd)
+    sweep = next((cwd / "outputs" / "multirun").iterdir())
+    big, small = (json.loads((sweep / str(job) / "results.json").read_text()) for job in (0, 1))
+    total_mb = torch.cuda.get_device_properties(0).total_memory / 2**20
+    assert 0 < small["peak_memory_mb"] < big["peak_memory_mb"] < total_mb, (big["peak_memory_mb"], small["peak_memory_mb"])
+    assert big["peak_memory_device"] == small["peak_memory_device"] == "cuda:0"
+    return f"resnet18 batch 256: {big['peak_memory_mb']:.0f} MiB, then batch 8 in the same process: {small['peak_memory_mb']:.0f} MiB"
+
+
+def check_resnet18_throughput(scratch: Path) -> str:
+    cwd = scratch / "throughput"
+    launch(["strategy=single", "model=resnet18", "data=synthetic", "data.image_size=32", "data.num_samples=25600",
+            "data.num_val_samples=256", "data.batch_size=256", "data.num_workers=4", "trainer.max_epochs=1",
+            "trainer.warmup_steps=10", "trainer.log_every_n_steps=50"], cwd)
+    found = results(cwd)
+    return f"resnet18, 32x32, batch 256, fp32: {found['samples_per_s']:.0f} samples/s ({found['peak_memory_mb']:.0f} MiB peak)"
+
+
+CHECKS = [
+    check_single_learns_digits,
+    check_nccl_world_size_1_with_torch_syncbn,
+    check_two_ranks_share_the_gpu_and_match_one_process,
+    check_dataparallel_on_one_gpu,
+    check_kill_and_resume_is_exact,
+    check_checkpoint_loads_on_a_cpu_only_host,
+    check_peak_memory_resets_between_multirun_jobs,
+    check_resnet18_throughput,
+]
+
+
+def main() -> int:
+    if not torch.cuda.is_available():
+        print(f"gpu-check: no CUDA GPU visible (torch {torch.__version__}); nothing was checked")
+        return 0
+    print(f"gpu-check: {torch.cuda.get_device_name(0)}, torch {torch.__version__}, CUDA {torch.version.cuda}")
+    scratch = Path(tempfile.mkdtemp(prefix="gpu-check-"))
+    failed = 0
+    for check in CHECKS:
+        name = check.__name__.removeprefix("check_")
+        started = time.perf_counter()
+        try:
+            detail = check(scratch)
+            print(f"PASS {name} ({time.perf_counter() - started:.0f} s): {detail}", flush=True)
+        except Exception as error:  # noqa: BLE001 (every check reports, even after one fails)
+            failed += 1
+            print(f"FAIL {name} ({time.perf_counter() - started:.0f} s): {type(error).__name__}: {error}", flush=True)
+    print(f"gpu-check: {len(CHECKS) - failed} of {len(CHECKS)} passed; runs in {scratch}")
+    return 1 if failed else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,125 @@
+"""What the trainer's knobs and measurements promise, checked on real single-process runs of
+train.py: batch limits, validation cadence, checkpoint pruning, resuming a run dir, the steady-state
+throughput window, per-run peak memory, and real training of resnet18 and of an ImageFolder."""
+
+import json
+import shutil
+
+import pytest
+import torch
+from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+from conftest import TINY, check, launch, load_last, load_results, run_dirs
+from models.resnet import build_resnet18
+from test_config_groups import write_imagefolder
+
+# 4 epochs of 3 batches (limit_train_batches), validation on 2 batches of 8 after epochs 3 and 4,
+# a checkpoint every 2 steps of which 2 are kept, and every step in the warm-up.
+KNOBS = ["strategy=single", "syncbn=true", *TINY, "trainer.max_epochs=4", "trainer.limit_train_batches=3",
+         "trainer.limit_val_batches=2", "trainer.val_every_n_epochs=3", "trainer.log_every_n_steps=1",
+         "trainer.warmup_steps=12", "checkpoint.every_n_steps=2", "checkpoint.keep_last=2"]
+
+
+def scalars(run_dir, tag: str) -> list:
+    accumulator = EventAccumulator(str(run_dir))
+    accumulator.Reload()
+    return accumulator.Scalars(tag)
+
+
+@pytest.fixture(scope="module")
+def knobs_run(tmp_path_factory):
+    cwd = tmp_path_factory.mktemp("knobs")
+    result = launch(KNOBS, cwd)
+    check(result)
+    return run_dirs(cwd)[0], result
+
+
+def test_batch_limits_and_validation_cadence(knobs_run):
+    run_dir, _ = knobs_run
+    results = load_results(run_dir.parents[1])
+    assert (results["steps"], results["epochs"]) == (12, 4)
+    assert results["val_samples"] == 16  # 2 batches of 8: limit_val_batches
+    assert [e.step for e in scalars(run_dir, "train/loss")] == list(range(1, 13))
+    assert [e.step for e in scalars(run_dir, "val/loss")] == [9, 12]  # after epoch 3, and always after the last
+
+
+def test_keep_last_prunes_older_step_checkpoints(knobs_run):
+    run_dir, _ = knobs_run
+    directory = run_dir / "checkpoints"
+    assert sorted(p.name for p in directory.iterdir()) == ["last.pt", "step-00000010.pt", "step-00000012.pt"]
+    assert torch.load(directory / "last.pt", weights_only=True)["global_step"] == 12
+
+
+def test_warmup_steps_are_left_out_of_samples_per_s(knobs_run):
+    """All 12 steps are warm-up: no steady-state throughput to report, rather than a made-up one."""
+    results = load_results(knobs_run[0].parents[1])
+    assert results["samples_per_s"] is None
+
+
+def test_syncbn_with_one_process_warns_that_it_changes_nothing(knobs_run):
+    _, result = knobs_run
+    assert "syncbn=true has no effect with strategy=single: one process, so BatchNorm already sees the whole batch" in result.stdout
+
+
+def test_resume_of_a_run_dir_continues_in_that_dir(knobs_run, tmp_path):
+    source = tmp_path / "run"
+    shutil.copytree(knobs_run[0], source)
+    result = launch([*KNOBS, "trainer.max_epochs=5", f"resume={source}"], tmp_path)
+    check(result)
+    assert f"resumed from {source / 'checkpoints' / 'last.pt'} at epoch 4, batch 0, step 12" in result.stdout
+    assert not (tmp_path / "outputs").exists()  # no new run dir
+    assert sorted(p.name for p in (source / "checkpoints").iterdir()) == ["last.pt", "step-00000014.pt", "step-00000015.pt"]
+    results = json.loads((source / "results.json").read_text())
+    assert (results["steps"], results["epochs"]) == (15, 5)
+    assert [e.step for e in scalars(source, "train/loss")] == list(range(1, 16))
+
+
+def test_samples_per_s_counts_training_steps_only(tmp_path):
+    """Validation here costs more than training (8x the samples). samples_per_s must still be the
+    training rate, which TensorBoard's own timestamps of the per-step losses measure independently:
+    samples between two steps of one epoch over the wall time between them. Tolerance: 25%."""
+    args = ["strategy=single", *TINY, "data.num_samples=512", "data.num_val_samples=4096", "trainer.log_every_n_steps=1",
+            "trainer.warmup_steps=5"]
+    result = launch(args, tmp_path)
+    check(result)
+    (run_dir,) = run_dirs(tmp_path)
+    results = load_results(tmp_path)
+    wall_time = {e.step: e.wall_time for e in scalars(run_dir, "train/loss")}
+    assert sorted(wall_time) == list(range(1, 129))
+    spans = [(5, 64), (65, 128)]  # within epoch 0 after warm-up, and within epoch 1
+    samples = sum(last - first for first, last in spans) * 8
+    seconds = sum(wall_time[last] - wall_time[first] for first, last in spans)
+    assert results["samples_per_s"] == pytest.approx(samples / seconds, rel=0.25)
+    assert results["train_time_s"] < results["wall_s"]
+
+
+def test_peak_memory_is_measured_per_run_in_a_multirun(tmp_path):
+    """A multirun runs its jobs in one process: job 1 (tiny data) must not report job 0's peak
+    (about 2 GB more, for 80,000 generated 32x32 images)."""
+    args = ["-m", "strategy=single", "data=synthetic", "data.image_size=32", "data.num_val_samples=16",
+            "trainer.max_epochs=1", "trainer.limit_train_batches=2", "data.num_samples=80000,64"]
+    check(launch(args, tmp_path))
+    sweep = next((tmp_path / "outputs" / "multirun").iterdir())
+    big, small = (json.loads((sweep / str(job) / "results.json").read_text()) for job in (0, 1))
+    assert big["peak_memory_device"] == small["peak_memory_device"] == "cpu"
+    assert small["peak_memory_mb"] < big["peak_memory_mb"] - 1000, (big["peak_memory_mb"], small["peak_memory_mb"])
+
+
+def test_resnet18_trains_end_to_end(tmp_path):
+    tiny = [arg for arg in TINY if not arg.startswith("model.")]
+    result = launch(["model=resnet18", *tiny, "data.num_samples=32", "data.num_val_samples=12", "trainer.max_epochs=1"], tmp_path)
+    check(result)
+    results = load_results(tmp_path)
+    assert (results["steps"], results["val_samples"]) == (4, 12)
+    build_resnet18(num_classes=10, in_channels=3, small_input=True).load_state_dict(load_last(tmp_path)["model"], strict=True)
+
+
+def test_imagefolder_trains_end_to_end(tmp_path):
+    """A real folder of PNGs, read by two DataLoader workers."""
+    root = write_imagefolder(tmp_path / "images", classes=("cat", "dog", "eel"), per_class=4)
+    result = launch(["data=imagefolder", f"data.root={root}", "data.image_size=16", "data.batch_size=4",
+                     "data.num_workers=2", "model.channels=[8,16]", "trainer.max_epochs=2"], tmp_path)
+    check(result)
+    results = load_results(tmp_path)
+    assert (results["steps"], results["val_samples"]) == (6, 12)  # 12 images: 3 batches of 4, 2 epochs
+    assert load_last(tmp_path)["model"]["head.3.weight"].shape == (3, 16)  # one output per class folder
