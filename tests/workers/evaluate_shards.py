@@ -18,13 +18,18 @@ class LoaderConfig:
     num_workers = 0
 
 
-def main(out_path: str, num_val_samples: int) -> None:
-    env = DistEnv.from_environ()
-    dist.init_process_group("gloo")
+def evaluate_fixed_model(env: DistEnv, num_val_samples: int) -> dict:
+    """train.evaluate of one seeded model on `num_val_samples` synthetic samples, sharded for `env`."""
     splits = build_synthetic(16, num_val_samples, image_size=8, num_classes=10, channels=3, data_seed=0)
     torch.manual_seed(0)
     model = SmallCNN(num_classes=10, in_channels=3, channels=[8, 16])
-    metrics = evaluate(model, build_val_loader(splits.val, LoaderConfig, env, pin_memory=False), torch.device("cpu"), -1)
+    return evaluate(model, build_val_loader(splits.val, LoaderConfig, env, pin_memory=False), torch.device("cpu"), -1)
+
+
+def main(out_path: str, num_val_samples: int) -> None:
+    env = DistEnv.from_environ()
+    dist.init_process_group("gloo")
+    metrics = evaluate_fixed_model(env, num_val_samples)
     if env.is_main:
         with open(out_path, "w") as f:
             json.dump(metrics, f)
