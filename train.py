@@ -7,6 +7,7 @@
 
 import contextlib
 import logging
+import math
 import os
 import random
 import sys
@@ -59,12 +60,13 @@ from ddp.wrap import process_gpus, seed_dataparallel_replicas, unwrap_model, wra
 log = logging.getLogger("train")
 
 
-def train_one_epoch(model, batches, optimizer, device, position, batches_per_epoch, trainer_cfg, world_size, writer, after_step) -> None:
-    """Train on `batches` ((index, batch) pairs) until the epoch, or max_steps, ends."""
+def train_one_epoch(model, batches, optimizer, device, position, batches_per_epoch, step_limit, log_every_n_steps, world_size,
+                    writer, after_step) -> None:
+    """Train on `batches` ((index, batch) pairs) until the epoch ends or `step_limit` steps are done."""
     model.train()
     logged_step, logged_at = position.global_step, time.perf_counter()
     for batch_index, (images, labels) in batches:
-        if batch_index == batches_per_epoch or position.global_step == trainer_cfg.max_steps:
+        if batch_index == batches_per_epoch or position.global_step >= step_limit:
             break
         images, labels = images.to(device, non_blocking=True), labels.to(device, non_blocking=True)
         loss = F.cross_entropy(model(images), labels)
@@ -76,14 +78,14 @@ def train_one_epoch(model, batches, optimizer, device, position, batches_per_epo
         position.global_step += 1
         position.epoch_totals[0] += loss.detach().double() * len(labels)  # on the device: no host sync per step
         position.epoch_totals[1] += len(labels)
-        if position.global_step % trainer_cfg.log_every_n_steps == 0:
+        if position.global_step % log_every_n_steps == 0:
             now = time.perf_counter()
             samples = (position.global_step - logged_step) * len(labels) * world_size
             writer.add_scalar("train/loss", loss.item(), position.global_step)
             writer.add_scalar("train/lr", optimizer.param_groups[0]["lr"], position.global_step)
             writer.add_scalar("train/samples_per_s", samples / (now - logged_at), position.global_step)
             logged_step, logged_at = position.global_step, now
-        epoch_ends = position.batch_in_epoch == batches_per_epoch or position.global_step == trainer_cfg.max_steps
+        epoch_ends = position.batch_in_epoch == batches_per_epoch or position.global_step >= step_limit
         after_step(len(labels) * world_size, epoch_ends)
 
 
@@ -206,8 +208,8 @@ def fit(cfg: DictConfig, env: DistEnv, device: torch.device, gpus: list[int], me
     sigterm = StopOnSigterm(distributed=dist.is_initialized(), check_every_n_steps=trainer.log_every_n_steps)
     saved = {"step": position.global_step if resumed else -1}
     batches_per_epoch = len(train_loader) if trainer.limit_train_batches == -1 else min(len(train_loader), trainer.limit_train_batches)
-    total_steps = batches_per_epoch * trainer.max_epochs
-    total_steps = total_steps if trainer.max_steps == -1 else min(total_steps, trainer.max_steps)
+    step_limit = math.inf if trainer.max_steps == -1 else trainer.max_steps
+    total_steps = min(batches_per_epoch * trainer.max_epochs, step_limit)
     progress = tqdm(total=total_steps, initial=position.global_step, desc="train", disable=not (env.is_main and sys.stderr.isatty()))
 
     def after_step(global_samples: int, epoch_ends: bool) -> None:
@@ -226,29 +228,33 @@ def fit(cfg: DictConfig, env: DistEnv, device: torch.device, gpus: list[int], me
 
     started = time.perf_counter()
     metrics: dict[str, float] = {}
-    while position.epoch < trainer.max_epochs and position.global_step != trainer.max_steps:
+    while position.epoch < trainer.max_epochs and position.global_step < step_limit:
         epoch_started = time.perf_counter()
         start_epoch(train_loader, position.epoch, cfg.seed, env.rank)
         restore = (lambda state=rank_state: restore_rank_state(state, gpus)) if rank_state else None
         batches = iterate_from(train_loader, position.batch_in_epoch, on_resume=restore)
         rank_state = None
         meter.resume()
-        train_one_epoch(model, batches, optimizer, device, position, batches_per_epoch, trainer, world_size, writer, after_step)
+        train_one_epoch(model, batches, optimizer, device, position, batches_per_epoch, step_limit, trainer.log_every_n_steps,
+                        world_size, writer, after_step)
         meter.pause()
 
         loss_sum, count = all_reduce_sum(position.epoch_totals.clone()).tolist()
         metrics = {"train_loss": loss_sum / max(count, 1)}
         writer.add_scalar("train/epoch_loss", metrics["train_loss"], position.global_step)
         writer.add_scalar("train/epoch_time_s", time.perf_counter() - epoch_started, position.global_step)
-        last_epoch = position.epoch == trainer.max_epochs - 1 or position.global_step == trainer.max_steps
+        last_epoch = position.epoch == trainer.max_epochs - 1 or position.global_step >= step_limit
         if (position.epoch + 1) % trainer.val_every_n_epochs == 0 or last_epoch:
             metrics |= validate_model()
             writer.add_scalar("val/loss", metrics["val_loss"], position.global_step)
             writer.add_scalar("val/accuracy", metrics["val_accuracy"], position.global_step)
             log.info("epoch %d step %d: train_loss=%.4f val_loss=%.4f val_accuracy=%.4f", position.epoch,
                      position.global_step, metrics["train_loss"], metrics["val_loss"], metrics["val_accuracy"])
-        position.epoch, position.batch_in_epoch = position.epoch + 1, 0
-        position.epoch_totals = torch.zeros_like(position.epoch_totals)
+        # A max_steps stop mid-epoch stays where it is (epoch, batch and partial sums), so a longer
+        # run resumed from it continues the epoch exactly; validation doesn't touch the RNGs.
+        if position.batch_in_epoch == batches_per_epoch:
+            position.epoch, position.batch_in_epoch = position.epoch + 1, 0
+            position.epoch_totals = torch.zeros_like(position.epoch_totals)
         if every_n and position.global_step % every_n == 0:
             save()
     progress.close()
@@ -263,7 +269,8 @@ def fit(cfg: DictConfig, env: DistEnv, device: torch.device, gpus: list[int], me
     results = {
         **metrics,
         "steps": position.global_step,
-        "epochs": position.epoch,
+        "epochs": position.epoch,  # completed
+        "epoch_progress": position.epoch + position.batch_in_epoch / batches_per_epoch,
         "world_size": world_size,
         "strategy": cfg.strategy.name,
         "batch_size": cfg.data.batch_size,

@@ -7,10 +7,12 @@ uninterrupted reference run (`assert_bit_identical`).
 """
 
 import ast
+import json
 import os
 import pickletools
 import random
 import re
+import shutil
 import signal
 import subprocess
 import sys
@@ -577,3 +579,48 @@ def test_resume_from_a_missing_path_starts_nothing(tmp_path):
     assert str(missing) in line and "not found" in line, line
     assert not list(tmp_path.rglob("events.out.tfevents*"))
     assert not list(tmp_path.rglob("*.pt"))
+
+
+# 13 --------------------------------------------------------------------------------------------
+
+# One process, 16 steps per epoch (128 samples, batch 8), dropout, augmentation in 2 workers.
+EXTEND = ["strategy=single", *DATA, "data.num_workers=2", "trainer.max_epochs=3"]
+
+
+@pytest.fixture(scope="module")
+def stopped_at_step_5(tmp_path_factory):
+    """A run cut short by trainer.max_steps=5, a third of the way into its first epoch: its run dir."""
+    cwd = tmp_path_factory.mktemp("max_steps_5")
+    check(launch([*EXTEND, "trainer.max_steps=5"], cwd))
+    return the_run_dir(cwd)
+
+
+def test_a_max_steps_stop_mid_epoch_records_where_it_stopped(stopped_at_step_5):
+    checkpoint = last_checkpoint(stopped_at_step_5)
+    assert (checkpoint["epoch"], checkpoint["batch_in_epoch"], checkpoint["global_step"]) == (0, 5, 5)
+    results = json.loads((stopped_at_step_5 / "results.json").read_text())
+    assert (results["steps"], results["epochs"]) == (5, 0)  # no epoch completed
+    assert results["epoch_progress"] == 5 / 16
+
+
+@pytest.mark.parametrize("steps", [10, 20], ids=["within_the_epoch", "across_an_epoch_boundary"])
+def test_extending_a_max_steps_run_is_bit_identical_to_running_that_long(stopped_at_step_5, tmp_path, steps):
+    """Train 5 steps, look, then resume the run dir with a larger max_steps: the same as `steps` straight."""
+    extended = tmp_path / "extended" / "run"
+    shutil.copytree(stopped_at_step_5, extended)
+    result = launch([*EXTEND, f"trainer.max_steps={steps}", f"resume={extended}"], tmp_path / "extended")
+    check(result)
+    assert "at epoch 0, batch 5, step 5" in result.stdout, output(result)
+    straight = tmp_path / "straight"
+    straight.mkdir()
+    check(launch([*EXTEND, f"trainer.max_steps={steps}"], straight))
+    assert_bit_identical(last_checkpoint(extended), last_checkpoint(the_run_dir(straight)))
+
+
+def test_extending_a_two_rank_max_steps_run_is_bit_identical(reference, tmp_path):
+    """2 ranks: stop at step 3 of 8, then extend to the full 2 epochs: the uninterrupted reference."""
+    pinned = "hydra.run.dir=outputs/run"
+    check(torchrun([*EXACT, "trainer.max_steps=3", pinned], tmp_path))
+    assert last_checkpoint(tmp_path / "outputs" / "run")["batch_in_epoch"] == 3
+    check(torchrun([*EXACT, pinned, "resume=outputs/run"], tmp_path))
+    assert_bit_identical(last_checkpoint(tmp_path / "outputs" / "run"), reference[1])
