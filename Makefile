@@ -26,8 +26,8 @@ $(STAMP): pyproject.toml
 train: install ## Train the default run (small_cnn on digits, one device); prints the run dir and metrics
 	$(PY) train.py
 
-test: install ## Run the whole test suite (CPU, gloo, real torchrun processes)
-	$(PY) -m pytest -q
+test: install ## Run the whole test suite (CPU, gloo, real torchrun processes), two test processes at a time
+	$(PY) -m pytest -q -n 2
 
 smoke-test: install ## Three short CPU runs: single, dp, and torchrun ddp with SyncBN on 2 processes
 	$(PY) train.py strategy=single $(SMOKE)
