@@ -1,63 +1,265 @@
-"""One run dir per launch, even under torchrun.
+"""One run dir per launch, and one live run per dir.
 
-Every torchrun worker runs @hydra.main, and `${now:}` is resolved per process, so ranks started
-a moment apart would land in different timestamped dirs (hydra#2070). Here all ranks of one
-launch agree on the launch time, and so on one dir, which also stays the same when torchrun
-restarts the workers.
+Every torchrun worker runs @hydra.main, and `${now:}` is resolved per process, so ranks started a
+moment apart would land in different timestamped dirs (hydra#2070); two launches started in the
+same second would share one. Here a launch claims a dir nobody has (`mkdir` without exist_ok,
+`_1`, `_2`, ... when the name is taken), every rank of the launch gets the claimed name, and a
+torchrun restart gets it again. While a run is alive its main process holds a lock on
+`<dir>/.lock`, so no second launch writes into it (an explicit hydra.run.dir twice, or
+`resume=<dir>` of a run still training).
 """
 
+import contextlib
+import fcntl
 import functools
+import logging
 import os
+import shutil
+import socket
 import sys
 import time
+import uuid
+from collections.abc import Callable
 from datetime import datetime
 from pathlib import Path
+from typing import Any
 
-from omegaconf import OmegaConf
+from hydra.core.utils import JobReturn, JobStatus
+from hydra.experimental.callback import Callback
+from hydra.types import RunMode
+from omegaconf import DictConfig, OmegaConf
 from torch.distributed import TCPStore
 
 from ddp.env import DistEnv
 
-_STORE_KEY = "hydra_ddp/launch_time"
+log = logging.getLogger(__name__)
+
+OUTPUTS = Path("outputs")
+CLAIMS = OUTPUTS / ".launches"  # per launch without torchrun's shared store: what its ranks agreed on
+TIME_FORMAT = "%Y-%m-%d_%H-%M-%S"
+STALE_CLAIM_S = 24 * 3600
+RESTART_LOCK_WAIT_S = 60.0  # a restarted rank 0 waits this long for the previous attempt's lock
+
+
+def _error(message: str) -> None:
+    """A user-facing stop from inside Hydra's start-up (resolvers, callbacks), where an exception
+    would become a traceback: one line, exit 1."""
+    print(f"error: {message}", file=sys.stderr)
+    sys.exit(1)
+
+
+# --- values a launch agrees on ------------------------------------------------------------------
+
+def _run_id() -> str | None:
+    return os.environ.get("TORCHELASTIC_RUN_ID")
 
 
 @functools.cache
-def launch_time() -> float:
-    """The launch time of this process's launch, the same on every rank."""
-    now = time.time()
-    if "TORCHELASTIC_RUN_ID" not in os.environ:
-        return now
-    if os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True":
-        # torchrun shares its store with the workers; the first rank to ask sets the value,
-        # and the store outlives worker restarts.
-        store = TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), is_master=False)
-        return float(store.compare_set(_STORE_KEY, "", repr(now)))
-    # Store not shared (TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1): claim a file named after the
-    # run id, which torchrun keeps across restarts.
-    run_id = os.environ["TORCHELASTIC_RUN_ID"]
-    if run_id == "none":
-        # Raised inside Hydra's resolution of the run dir, where an exception becomes a traceback.
-        print("error: torchrun gave this launch no id (--rdzv-id defaults to none with --rdzv-endpoint) and "
-              "TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1 disables its shared store, so the ranks can't agree on a run dir: "
-              "pass --rdzv-id=<unique id> to torchrun, or set hydra.run.dir explicitly", file=sys.stderr)
-        sys.exit(1)
-    claim = Path("outputs/.launches") / run_id
-    claim.parent.mkdir(parents=True, exist_ok=True)
-    try:
-        fd = os.open(claim, os.O_WRONLY | os.O_CREAT | os.O_EXCL)
-    except FileExistsError:
-        for _ in range(600):
-            text = claim.read_text()
-            if text:
-                return float(text)
-            time.sleep(0.05)
-        raise RuntimeError(f"{claim}: still empty after 30 s; remove it and relaunch") from None
-    tmp = claim.with_suffix(".tmp")
-    tmp.write_text(repr(now))
-    os.replace(tmp, claim)
-    os.close(fd)
-    return now
+def _agent_store() -> TCPStore | None:
+    """torchrun's own store, when it shares it with the workers: it outlives worker restarts."""
+    if os.environ.get("TORCHELASTIC_USE_AGENT_STORE") != "True":
+        return None
+    return TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), is_master=False)
 
+
+def _claims_dir() -> Path:
+    run_id = _run_id()
+    if run_id == "none":
+        _error("torchrun gave this launch no id (--rdzv-id defaults to none with --rdzv-endpoint) and "
+               "TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1 disables its shared store, so the ranks can't agree on a run dir: "
+               "pass --rdzv-id=<unique id> to torchrun, or set hydra.run.dir explicitly")
+    return CLAIMS / run_id
+
+
+def agreed(key: str, compute: Callable[[], str]) -> str:
+    """`compute()` run once per launch, by whichever process asks first; every process of the launch
+    (all ranks, and their restarts) gets that value. A process outside torchrun computes its own."""
+    if _run_id() is None:
+        return compute()
+    store = _agent_store()
+    if store is not None:
+        if store.add(f"hydra_ddp/{key}/claimed", 1) == 1:
+            store.set(f"hydra_ddp/{key}", compute())
+        return store.get(f"hydra_ddp/{key}").decode()  # waits until the first process has set it
+    path = _claims_dir() / key
+    path.parent.mkdir(parents=True, exist_ok=True)
+    try:
+        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL)
+    except FileExistsError:
+        return _read_when_written(path)
+    os.close(fd)
+    _write_atomically(path, compute())
+    return path.read_text()
+
+
+def publish(key: str, value: str) -> None:
+    """For `wait_for`: a value the main process sets for the other processes of its launch."""
+    store = _agent_store()
+    if store is not None:
+        store.set(f"hydra_ddp/{key}", value)
+    elif _run_id() is not None:
+        _write_atomically(_claims_dir() / key, value)
+
+
+def wait_for(key: str) -> str:
+    store = _agent_store()
+    if store is not None:
+        return store.get(f"hydra_ddp/{key}").decode()
+    return _read_when_written(_claims_dir() / key)
+
+
+def _write_atomically(path: Path, text: str) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+    tmp.write_text(text)
+    os.replace(tmp, path)
+
+
+def _read_when_written(path: Path, timeout_s: float = 60.0) -> str:
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if path.is_file() and (text := path.read_text()):
+            return text
+        time.sleep(0.05)
+    _error(f"{path}: still empty after {timeout_s:.0f} s (a rank of this launch died while claiming it); relaunch")
+
+
+def release_claims() -> None:
+    """The launch is over: its claim files are no longer needed (nothing to do with a shared store)."""
+    if _run_id() not in (None, "none") and _agent_store() is None:
+        shutil.rmtree(_claims_dir(), ignore_errors=True)
+        with contextlib.suppress(OSError):
+            CLAIMS.rmdir()  # only if no other launch has claims there
+
+
+def _prune_stale_claims() -> None:
+    """Claims of launches that failed for good (so never released) and are over a day old, unless a
+    live run still holds their dir."""
+    if not CLAIMS.is_dir():
+        return
+    for claim in CLAIMS.iterdir():
+        try:
+            if time.time() - claim.stat().st_mtime < STALE_CLAIM_S:
+                continue
+            dirs = [Path(p.read_text()) for p in claim.iterdir() if p.name in ("run_dir", "sweep_dir")]
+            if not any(_holder(d) for d in dirs):
+                shutil.rmtree(claim, ignore_errors=True)
+        except OSError:
+            continue  # another launch pruned it first
+
+
+# --- a dir nobody else has ----------------------------------------------------------------------
+
+def claim_unique_dir(parent: Path, name: str) -> Path:
+    """`parent/name`, or `name_1`, `name_2`, ... : the first that this call creates (mkdir is atomic)."""
+    parent.mkdir(parents=True, exist_ok=True)
+    for suffix in ("", *(f"_{n}" for n in range(1, 10_000))):
+        candidate = parent / f"{name}{suffix}"
+        try:
+            candidate.mkdir()
+            return candidate
+        except FileExistsError:
+            continue
+    raise RuntimeError(f"{parent}: no free name for {name}")
+
+
+@functools.cache  # Hydra resolves the dir several times; the launch claims it once
+def _claimed(key: str, parent: Path) -> str:
+    def claim() -> str:
+        _prune_stale_claims()
+        return str(claim_unique_dir(parent, datetime.now().strftime(TIME_FORMAT)))
+    return agreed(key, claim)
+
+
+def run_dir(resume: str | None) -> str:
+    """`resume=<run dir>` continues in that dir; otherwise a new `outputs/<time>` of this launch's own."""
+    if resume and Path(resume).is_dir():
+        return resume
+    return _claimed("run_dir", OUTPUTS)
+
+
+def sweep_dir() -> str:
+    return _claimed("sweep_dir", OUTPUTS / "multirun")
+
+
+# --- one live run per dir -----------------------------------------------------------------------
+
+_held_locks: list[int] = []  # open lock files: the locks last as long as this process
+
+
+def _holder(directory: Path) -> str | None:
+    """Who holds `directory`'s lock ("pid ... on host ..., started ..."), or None if nobody does."""
+    lock_file = directory / ".lock"
+    try:
+        fd = os.open(lock_file, os.O_RDWR)
+    except FileNotFoundError:
+        return None
+    try:
+        fcntl.lockf(fd, fcntl.LOCK_SH | fcntl.LOCK_NB)
+        fcntl.lockf(fd, fcntl.LOCK_UN)
+        return None
+    except OSError:
+        return os.pread(fd, 4096, 0).decode(errors="replace").strip() or "another process"
+    finally:
+        os.close(fd)  # (closing drops this process's own locks on the file: never call this on a dir it holds)
+
+
+def hold_lock(directory: Path) -> None:
+    """Rank 0 locks `directory` for as long as it lives, or stops the launch if a live run holds it.
+
+    A POSIX record lock (fcntl.lockf): the kernel drops it when the process dies, however it dies,
+    and unlike flock it is not inherited by forked DataLoader workers, which may outlive a killed rank
+    by seconds. The other ranks wait for rank 0's verdict, so a refused launch writes nothing.
+    """
+    env = DistEnv.from_environ()
+    attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
+    verdict_key = f"lock/{directory.name}/attempt{attempt}"
+    if not env.is_main:
+        if wait_for(verdict_key) != "ok":
+            sys.exit(1)  # rank 0 printed why
+        return
+    directory.mkdir(parents=True, exist_ok=True)
+    fd = os.open(directory / ".lock", os.O_RDWR | os.O_CREAT, 0o644)
+    deadline = time.monotonic() + (RESTART_LOCK_WAIT_S if attempt != "0" else 0)
+    while True:
+        try:
+            fcntl.lockf(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            break
+        except OSError:
+            if time.monotonic() >= deadline:
+                holder = os.pread(fd, 4096, 0).decode(errors="replace").strip() or "another process"
+                os.close(fd)
+                publish(verdict_key, "refused")
+                _error(f"{directory} is in use by a live run ({holder}): wait for it to end, or choose another "
+                       "dir (drop hydra.run.dir / resume to get a new one)")
+            time.sleep(0.2)
+    os.ftruncate(fd, 0)
+    started = datetime.now().strftime("%Y-%m-%d %H:%M:%S")
+    os.pwrite(fd, f"pid {os.getpid()} on host {socket.gethostname()}, started {started}\n".encode(), 0)
+    _held_locks.append(fd)
+    publish(verdict_key, "ok")
+
+
+class RunDirLock(Callback):
+    """Takes the lock before Hydra writes anything into the run (or sweep) dir, and lets go of the
+    launch's claim files when it ends well."""
+
+    def on_run_start(self, config: DictConfig, **kwargs: Any) -> None:
+        hold_lock(Path(config.hydra.run.dir))
+
+    def on_multirun_start(self, config: DictConfig, **kwargs: Any) -> None:
+        hold_lock(Path(config.hydra.sweep.dir))
+
+    def on_job_end(self, config: DictConfig, job_return: JobReturn, **kwargs: Any) -> None:
+        if config.hydra.mode == RunMode.RUN and job_return.status == JobStatus.COMPLETED and DistEnv.from_environ().is_main:
+            release_claims()
+
+    def on_multirun_end(self, config: DictConfig, **kwargs: Any) -> None:
+        if DistEnv.from_environ().is_main:
+            release_claims()
+
+
+# --- resolvers ----------------------------------------------------------------------------------
 
 def _process_log_name(strategy: str, nproc_per_node: int) -> str:
     """`rank<R>` for a training process; `launcher` for one that will start DDP workers itself."""
@@ -68,15 +270,10 @@ def _process_log_name(strategy: str, nproc_per_node: int) -> str:
 
 
 def register_resolvers() -> None:
-    """`${launch_time:FORMAT}` for run and sweep dirs; `${resume_dir:RESUME,DEFAULT}` continues in the
-    run dir that `resume=` names; `${rank_zero_only:VALUE}` is null on other ranks;
-    `${process_log_name:STRATEGY,NPROC}` names this process's log file."""
-    OmegaConf.register_new_resolver(
-        "launch_time", lambda fmt: datetime.fromtimestamp(launch_time()).strftime(fmt), replace=True
-    )
-    OmegaConf.register_new_resolver(
-        "resume_dir", lambda resume, default: resume if resume and Path(resume).is_dir() else default, replace=True
-    )
+    """`${run_dir:RESUME}` and `${sweep_dir:}` for this launch's dirs; `${rank_zero_only:VALUE}` is
+    null on other ranks; `${process_log_name:STRATEGY,NPROC}` names this process's log file."""
+    OmegaConf.register_new_resolver("run_dir", run_dir, replace=True)
+    OmegaConf.register_new_resolver("sweep_dir", sweep_dir, replace=True)
     OmegaConf.register_new_resolver("process_log_name", _process_log_name, replace=True)
     OmegaConf.register_new_resolver(
         "rank_zero_only", lambda value: value if DistEnv.from_environ().is_main else None, replace=True
