@@ -10,6 +10,7 @@ import logging
 import math
 import os
 import random
+import signal
 import sys
 import time
 from pathlib import Path
@@ -33,7 +34,7 @@ from ddp.faults import inject_fault
 from ddp.launch import launch_workers
 from ddp.loaders import build_train_loader, build_val_loader, iterate_from, start_epoch
 from ddp.meter import ThroughputMeter, peak_memory, reset_peak_memory
-from ddp.preemption import StopOnSigterm
+from ddp.preemption import Interrupted, StopOnSignal, resume_command
 from ddp.process_group import (
     all_reduce_sum,
     broadcast_buffers_from_rank_zero,
@@ -79,9 +80,10 @@ def train_one_epoch(model, batches, optimizer, device, position, batches_per_epo
         position.epoch_totals[0] += loss.detach().double() * len(labels)  # on the device: no host sync per step
         position.epoch_totals[1] += len(labels)
         if position.global_step % log_every_n_steps == 0:
+            loss_value = loss.item()  # waits for the device, so the clock below counts the work done
             now = time.perf_counter()
             samples = (position.global_step - logged_step) * len(labels) * world_size
-            writer.add_scalar("train/loss", loss.item(), position.global_step)
+            writer.add_scalar("train/loss", loss_value, position.global_step)
             writer.add_scalar("train/lr", optimizer.param_groups[0]["lr"], position.global_step)
             writer.add_scalar("train/samples_per_s", samples / (now - logged_at), position.global_step)
             logged_step, logged_at = position.global_step, now
@@ -106,8 +108,9 @@ def evaluate(model, loader, device, limit_batches: int) -> dict[str, float]:
     return {"val_loss": loss_sum / count, "val_accuracy": correct / count, "val_samples": int(count)}
 
 
-def run(cfg: DictConfig, run_dir: Path) -> dict:
-    """The whole run; returns the final metrics (also written to run_dir/results.json on rank 0)."""
+def run(cfg: DictConfig, run_dir: Path, relaunch: str) -> dict:
+    """The whole run; returns the final metrics (also written to run_dir/results.json on rank 0).
+    `relaunch` is the command that continues it after an interruption."""
     # resolve env and check the config before anything starts or is written
     env = DistEnv.from_environ()
     validate(cfg, under_torchrun=env.under_torchrun, world_size=env.world_size)
@@ -137,7 +140,7 @@ def run(cfg: DictConfig, run_dir: Path) -> dict:
         load_model_state(model, resumed[1]["model"], resumed[0])
 
     with process_group(backend, env, device, cfg.strategy.timeout_s) if distributed else contextlib.nullcontext():
-        return fit(cfg, env, device, gpus, memory_reset, splits, model, resumed, run_dir)
+        return fit(cfg, env, device, gpus, memory_reset, splits, model, resumed, run_dir, relaunch)
 
 
 # What BatchNorm does with syncbn=true outside DDP, where it changes nothing.
@@ -151,7 +154,7 @@ SYNCBN_WITHOUT_DDP = {
 
 @record  # a failing rank's traceback reaches torchrun's error summary (Hydra would swallow it)
 def fit(cfg: DictConfig, env: DistEnv, device: torch.device, gpus: list[int], memory_reset: bool, splits, model, resumed,
-        run_dir: Path) -> dict:
+        run_dir: Path, relaunch: str) -> dict:
     world_size, trainer = env.world_size, cfg.trainer
     distributed = cfg.strategy.name == "ddp"
     pin_memory = device.type == "cuda"
@@ -205,7 +208,7 @@ def fit(cfg: DictConfig, env: DistEnv, device: torch.device, gpus: list[int], me
 
     # loop
     every_n = cfg.checkpoint.every_n_steps
-    sigterm = StopOnSigterm(distributed=dist.is_initialized(), check_every_n_steps=trainer.log_every_n_steps)
+    stopper = StopOnSignal(distributed=dist.is_initialized(), check_every_n_steps=trainer.log_every_n_steps)
     saved = {"step": position.global_step if resumed else -1}
     batches_per_epoch = len(train_loader) if trainer.limit_train_batches == -1 else min(len(train_loader), trainer.limit_train_batches)
     step_limit = math.inf if trainer.max_steps == -1 else trainer.max_steps
@@ -216,55 +219,61 @@ def fit(cfg: DictConfig, env: DistEnv, device: torch.device, gpus: list[int], me
         progress.update(1)
         meter.step(global_samples)
         inject_fault(cfg.fault, env.rank, position.global_step)
-        if sigterm.stop_now(position.global_step, epoch_ends, device):
+        if signum := stopper.stop_now(position.global_step, epoch_ends, device):
             save()
-            log.warning("stopped by SIGTERM at step %d; relaunch with resume=auto and the same run dir to continue", position.global_step)
-            raise SystemExit(143)
+            stopper.saved_step = position.global_step
+            interrupted = Interrupted(signum, position.global_step)
+            if env.is_main:  # the one line the console shows
+                log.warning("%s (epoch %d); checkpoint saved: continue with  %s", interrupted, position.epoch, relaunch)
+            else:
+                log.info("%s", interrupted)
+            raise interrupted
         # At an epoch's last step the save waits for validation, so a resume never repeats it.
         if every_n and position.global_step % every_n == 0 and not epoch_ends:
             meter.pause()
             save()
             meter.resume()
 
-    started = time.perf_counter()
-    metrics: dict[str, float] = {}
-    while position.epoch < trainer.max_epochs and position.global_step < step_limit:
-        epoch_started = time.perf_counter()
-        start_epoch(train_loader, position.epoch, cfg.seed, env.rank)
-        restore = (lambda state=rank_state: restore_rank_state(state, gpus)) if rank_state else None
-        batches = iterate_from(train_loader, position.batch_in_epoch, on_resume=restore)
-        rank_state = None
-        meter.resume()
-        train_one_epoch(model, batches, optimizer, device, position, batches_per_epoch, step_limit, trainer.log_every_n_steps,
-                        world_size, writer, after_step)
-        meter.pause()
+    with stopper:  # SIGTERM and Ctrl-C: save at the next step boundary, then exit
+        started = time.perf_counter()
+        metrics: dict[str, float] = {}
+        while position.epoch < trainer.max_epochs and position.global_step < step_limit:
+            epoch_started = time.perf_counter()
+            start_epoch(train_loader, position.epoch, cfg.seed, env.rank)
+            restore = (lambda state=rank_state: restore_rank_state(state, gpus)) if rank_state else None
+            batches = iterate_from(train_loader, position.batch_in_epoch, on_resume=restore)
+            rank_state = None
+            meter.resume()
+            train_one_epoch(model, batches, optimizer, device, position, batches_per_epoch, step_limit, trainer.log_every_n_steps,
+                            world_size, writer, after_step)
+            meter.pause()
 
-        loss_sum, count = all_reduce_sum(position.epoch_totals.clone()).tolist()
-        metrics = {"train_loss": loss_sum / max(count, 1)}
-        writer.add_scalar("train/epoch_loss", metrics["train_loss"], position.global_step)
-        writer.add_scalar("train/epoch_time_s", time.perf_counter() - epoch_started, position.global_step)
-        last_epoch = position.epoch == trainer.max_epochs - 1 or position.global_step >= step_limit
-        if (position.epoch + 1) % trainer.val_every_n_epochs == 0 or last_epoch:
+            loss_sum, count = all_reduce_sum(position.epoch_totals.clone()).tolist()
+            metrics = {"train_loss": loss_sum / max(count, 1)}
+            writer.add_scalar("train/epoch_loss", metrics["train_loss"], position.global_step)
+            writer.add_scalar("train/epoch_time_s", time.perf_counter() - epoch_started, position.global_step)
+            last_epoch = position.epoch == trainer.max_epochs - 1 or position.global_step >= step_limit
+            if (position.epoch + 1) % trainer.val_every_n_epochs == 0 or last_epoch:
+                metrics |= validate_model()
+                writer.add_scalar("val/loss", metrics["val_loss"], position.global_step)
+                writer.add_scalar("val/accuracy", metrics["val_accuracy"], position.global_step)
+                log.info("epoch %d step %d: train_loss=%.4f val_loss=%.4f val_accuracy=%.4f", position.epoch,
+                         position.global_step, metrics["train_loss"], metrics["val_loss"], metrics["val_accuracy"])
+            # A max_steps stop mid-epoch stays where it is (epoch, batch and partial sums), so a longer
+            # run resumed from it continues the epoch exactly; validation doesn't touch the RNGs.
+            if position.batch_in_epoch == batches_per_epoch:
+                position.epoch, position.batch_in_epoch = position.epoch + 1, 0
+                position.epoch_totals = torch.zeros_like(position.epoch_totals)
+            if every_n and position.global_step % every_n == 0:
+                save()
+        progress.close()
+        if "val_loss" not in metrics:  # resumed from a finished run: report its metrics again
             metrics |= validate_model()
-            writer.add_scalar("val/loss", metrics["val_loss"], position.global_step)
-            writer.add_scalar("val/accuracy", metrics["val_accuracy"], position.global_step)
-            log.info("epoch %d step %d: train_loss=%.4f val_loss=%.4f val_accuracy=%.4f", position.epoch,
-                     position.global_step, metrics["train_loss"], metrics["val_loss"], metrics["val_accuracy"])
-        # A max_steps stop mid-epoch stays where it is (epoch, batch and partial sums), so a longer
-        # run resumed from it continues the epoch exactly; validation doesn't touch the RNGs.
-        if position.batch_in_epoch == batches_per_epoch:
-            position.epoch, position.batch_in_epoch = position.epoch + 1, 0
-            position.epoch_totals = torch.zeros_like(position.epoch_totals)
-        if every_n and position.global_step % every_n == 0:
-            save()
-    progress.close()
-    if "val_loss" not in metrics:  # resumed from a finished run: report its metrics again
-        metrics |= validate_model()
-    wall_s = time.perf_counter() - started
+        wall_s = time.perf_counter() - started
 
-    # save and summarise (rank 0)
-    if saved["step"] != position.global_step:
-        save()
+        # save and summarise (rank 0)
+        if saved["step"] != position.global_step:
+            save()
     peak_mb, peak_device = peak_memory(gpus, memory_reset)
     results = {
         **metrics,
@@ -318,13 +327,21 @@ def main(cfg: DictConfig) -> float:
     run_dir = Path(hydra_cfg.runtime.output_dir)
     env = DistEnv.from_environ()
     in_sweep = hydra_cfg.mode == RunMode.MULTIRUN
+    relaunch = resume_command(sys.argv[0], list(hydra_cfg.overrides.task), env.local_world_size if env.under_torchrun else None, run_dir)
     try:
         if cfg.strategy.name == "ddp" and not env.under_torchrun and cfg.strategy.nproc_per_node > 0:
             nproc = cfg.strategy.nproc_per_node
             validate(cfg, under_torchrun=True, world_size=nproc)  # fail here, not in N workers
-            results = launch_workers(run, cfg, run_dir, hydra_cfg.job.name, nproc, cfg.strategy.max_restarts)
+            results = launch_workers(run, cfg, run_dir, relaunch, hydra_cfg.job.name, nproc, cfg.strategy.max_restarts)
         else:
-            results = run(cfg, run_dir)
+            results = run(cfg, run_dir, relaunch)
+    except Interrupted as interrupted:
+        record_failed_job(hydra_cfg, cfg, interrupted)  # a sweep stops here: its summary marks the job
+        raise
+    except KeyboardInterrupt:  # Ctrl-C outside the training loop, where no step boundary comes
+        record_failed_job(hydra_cfg, cfg, Interrupted(signal.SIGINT))
+        print("error: interrupted before or after training: exiting; nothing more was saved", file=sys.stderr)
+        sys.exit(130)
     except ConfigError as error:
         if in_sweep and not env.under_torchrun:
             raise  # this job fails, the sweep goes on, and its summary says why

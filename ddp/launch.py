@@ -2,6 +2,7 @@
 group through PyTorch's elastic launcher (the engine behind torchrun), one group per Hydra job."""
 
 import logging
+import multiprocessing
 import os
 import sys
 import uuid
@@ -10,7 +11,10 @@ from pathlib import Path
 from typing import Any
 
 from omegaconf import DictConfig, OmegaConf
+from torch.distributed.elastic.multiprocessing.api import SignalException
 from torch.distributed.launcher.api import LaunchConfig, elastic_launch
+
+from ddp.preemption import Interrupted
 
 log = logging.getLogger(__name__)
 
@@ -18,8 +22,9 @@ log = logging.getLogger(__name__)
 LOG_FORMAT = "[%(asctime)s][rank {rank}][%(name)s][%(levelname)s] %(message)s"
 
 
-def launch_workers(run: Callable, cfg: DictConfig, run_dir: Path, job_name: str, nproc: int, max_restarts: int) -> dict[str, Any]:
-    """Run `run(cfg, run_dir)` on `nproc` local worker processes and return rank 0's result."""
+def launch_workers(run: Callable, cfg: DictConfig, run_dir: Path, relaunch: str, job_name: str, nproc: int,
+                   max_restarts: int) -> dict[str, Any]:
+    """Run `run(cfg, run_dir, relaunch)` on `nproc` local worker processes and return rank 0's result."""
     launch_config = LaunchConfig(
         min_nodes=1,
         max_nodes=1,
@@ -37,11 +42,26 @@ def launch_workers(run: Callable, cfg: DictConfig, run_dir: Path, job_name: str,
     # The config crosses the process boundary as a plain, resolved container; the workers all get
     # the same values (a sweeper's samples included) and the same run dir.
     container = OmegaConf.to_container(cfg, resolve=True)
-    returns = elastic_launch(launch_config, _worker)(run, container, str(run_dir), job_name)
+    try:
+        returns = elastic_launch(launch_config, _worker)(run, container, str(run_dir), relaunch, job_name)
+    except SignalException as stop:
+        # The agent passed the signal (Ctrl-C, SIGTERM) on to the workers once and waited while they
+        # saved and exited. A second Ctrl-C during that wait lands here too: pass it on, so that they
+        # exit at once.
+        for worker in multiprocessing.active_children():
+            os.kill(worker.pid, stop.sigval)
+        raise Interrupted(stop.sigval) from None
     return returns[0]
 
 
-def _worker(run: Callable, container: dict, run_dir: str, job_name: str) -> dict[str, Any]:
+def _worker(run: Callable, container: dict, run_dir: str, relaunch: str, job_name: str) -> dict[str, Any]:
+    # Out of the launcher's process group: a Ctrl-C in the terminal reaches the launcher alone,
+    # which passes it on once (a worker hit twice would exit without saving).
+    os.setpgid(0, 0)
+    # Started with spawn, this process would spawn its DataLoader workers too, each re-importing
+    # everything at every epoch; start them as a torchrun worker does.
+    if "fork" in multiprocessing.get_all_start_methods():
+        multiprocessing.set_start_method("fork", force=True)
     rank = int(os.environ["RANK"])
     logging.basicConfig(
         level=logging.INFO,
@@ -49,4 +69,4 @@ def _worker(run: Callable, container: dict, run_dir: str, job_name: str) -> dict
         handlers=[logging.StreamHandler(sys.stdout), logging.FileHandler(Path(run_dir) / f"{job_name}_rank{rank}.log")],
         force=True,
     )
-    return run(OmegaConf.create(container), Path(run_dir))
+    return run(OmegaConf.create(container), Path(run_dir), relaunch)

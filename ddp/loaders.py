@@ -33,38 +33,40 @@ class ShardSampler(Sampler[int]):
         return len(self.indices)
 
 
-# torchrun stops a rank with a SIGTERM to the rank's whole process group. A loader worker that died
-# of it would fail the rank before it saves its checkpoint, so workers start with SIGTERM blocked,
-# leave the group, drop a SIGTERM that reached them before that, and only then take signals again.
-# Out of the group, a worker stays until the rank shuts it down (or exits, which the worker notices).
-_SIGTERM = {signal.SIGTERM}
+# torchrun stops a rank with a signal to the rank's whole process group (SIGTERM, or SIGINT when it
+# got a Ctrl-C), and a terminal sends Ctrl-C to its whole foreground group. A loader worker that died
+# of it would fail the rank before it saves its checkpoint, so workers start with both signals
+# blocked, leave the group, drop any that reached them before that, and only then take signals
+# again. Out of the group, a worker stays until the rank shuts it down (or exits, which it notices).
+_STOP_SIGNALS = {signal.SIGTERM, signal.SIGINT}
 _POSIX = hasattr(signal, "pthread_sigmask")
 
 
 @contextlib.contextmanager
-def _sigterm_blocked() -> Iterator[None]:
+def _stop_signals_blocked() -> Iterator[None]:
     if not _POSIX:
         yield
         return
-    signal.pthread_sigmask(signal.SIG_BLOCK, _SIGTERM)
+    signal.pthread_sigmask(signal.SIG_BLOCK, _STOP_SIGNALS)
     try:
         yield
     finally:
-        signal.pthread_sigmask(signal.SIG_UNBLOCK, _SIGTERM)  # a SIGTERM meanwhile is delivered now
+        signal.pthread_sigmask(signal.SIG_UNBLOCK, _STOP_SIGNALS)  # a SIGTERM meanwhile is delivered now
 
 
 def leave_rank_process_group(worker_id: int) -> None:
     if _POSIX:
         os.setpgid(0, 0)
-        signal.sigtimedwait(_SIGTERM, 0)
-        signal.pthread_sigmask(signal.SIG_UNBLOCK, _SIGTERM)
+        while signal.sigtimedwait(_STOP_SIGNALS, 0) is not None:
+            pass
+        signal.pthread_sigmask(signal.SIG_UNBLOCK, _STOP_SIGNALS)
 
 
 class WorkerSafeDataLoader(DataLoader):
-    """A DataLoader whose workers outlive a SIGTERM to the rank's process group (see above)."""
+    """A DataLoader whose workers outlive a SIGTERM or SIGINT to the rank's process group (see above)."""
 
     def __iter__(self):
-        with _sigterm_blocked():  # workers start inside, inheriting the blocked signal
+        with _stop_signals_blocked():  # workers start inside, inheriting the blocked signal
             return super().__iter__()
 
 

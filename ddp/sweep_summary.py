@@ -14,6 +14,7 @@ from hydra.types import RunMode
 from omegaconf import DictConfig
 
 from ddp.env import DistEnv
+from ddp.preemption import Interrupted
 
 COLUMNS = [
     "job", "overrides", "world_size", "batch_size", "global_batch_size",
@@ -41,7 +42,8 @@ class SweepSummary(Callback):
 
 
 def record_failed_job(hydra_cfg: DictConfig, cfg: DictConfig, error: BaseException) -> None:
-    """For a job that ends the sweep with SystemExit, which Hydra's job-end callbacks never see."""
+    """For a job that ends the sweep with SystemExit (a failure under torchrun, or an interruption),
+    which Hydra's job-end callbacks never see."""
     if hydra_cfg.mode == RunMode.MULTIRUN and DistEnv.from_environ().is_main:
         row = summary_row(hydra_cfg.job.num, hydra_cfg.overrides.task, cfg, Path(hydra_cfg.runtime.output_dir), error)
         _add_row(row, Path(hydra_cfg.sweep.dir))
@@ -60,7 +62,9 @@ def summary_row(job_num: int, overrides, cfg: DictConfig, job_dir: Path, failure
         "global_batch_size": cfg.data.batch_size * world_size,
     }
     results_file = job_dir / "results.json"
-    if failure is None and results_file.is_file():
+    if isinstance(failure, Interrupted):
+        row["status"] = "interrupted"
+    elif failure is None and results_file.is_file():
         results = json.loads(results_file.read_text())
         row |= {key: results.get(key) for key in ("world_size", "global_batch_size", "val_loss", "val_accuracy", "samples_per_s", "wall_s")}
         row["status"] = "ok"

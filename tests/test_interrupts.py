@@ -1,0 +1,124 @@
+"""Ctrl-C as a terminal sends it: SIGINT to the whole process group of the command, under every
+launcher. The first one saves at the next step and prints how to continue; the second exits at once."""
+
+import csv
+import os
+import re
+import shlex
+import signal
+import subprocess
+import sys
+import time
+
+import pytest
+
+from conftest import TINY, TORCHRUN, TRAIN, check, run_dirs
+from ddp.checkpoint import load_checkpoint
+from test_fault_tolerance import _clean_env, assert_bit_identical, last_checkpoint
+
+# Long enough to be interrupted (dropout, augmentation and loader workers, so resuming has
+# something to get wrong); a resumed run is bounded by trainer.max_steps instead.
+LONG = [*TINY, "model.dropout=0.3", "data.augment=true", "data.num_workers=2", "trainer.max_epochs=100000",
+        "checkpoint.every_n_steps=5"]
+LAUNCHERS = {
+    "python": [sys.executable, str(TRAIN), "strategy=single"],
+    "self_launched_ddp": [sys.executable, str(TRAIN), "strategy=ddp", "strategy.nproc_per_node=2"],
+    "torchrun": [str(TORCHRUN), "--nproc_per_node=2", str(TRAIN), "strategy=ddp"],
+}
+HINT = re.compile(r"interrupted at step (\d+) \(epoch \d+\); checkpoint saved: continue with  (.+)$")
+
+
+def start(command: list[str], cwd) -> subprocess.Popen:
+    """In a process group of its own, as a terminal starts a foreground job; output to files."""
+    return subprocess.Popen(command, cwd=cwd, env=_clean_env(), stdout=open(cwd / "stdout.txt", "w"),
+                            stderr=open(cwd / "stderr.txt", "w"), start_new_session=True)
+
+
+def wait_for_training(process: subprocess.Popen, cwd) -> None:
+    """Until rank 0 has logged its first line of fit(), and a second more: inside the training loop."""
+    deadline = time.monotonic() + 120
+    while not any("global_batch=" in log.read_text() for log in cwd.glob("outputs/**/train_rank0.log")):
+        assert process.poll() is None, (cwd / "stderr.txt").read_text()[-3000:]
+        assert time.monotonic() < deadline, "training never started"
+        time.sleep(0.1)
+    time.sleep(1)
+
+
+def ctrl_c(process: subprocess.Popen, times: int = 1) -> None:
+    for _ in range(times):
+        os.killpg(process.pid, signal.SIGINT)
+        time.sleep(0.05)
+
+
+def finish(process: subprocess.Popen, cwd) -> tuple[int, str, str]:
+    try:
+        returncode = process.wait(timeout=90)
+    finally:
+        if process.poll() is None:
+            os.killpg(process.pid, signal.SIGKILL)
+            process.wait()
+    return returncode, (cwd / "stdout.txt").read_text(), (cwd / "stderr.txt").read_text()
+
+
+@pytest.mark.parametrize("launcher", LAUNCHERS)
+def test_ctrl_c_saves_at_the_next_step_and_the_printed_command_finishes_bit_identically(launcher, tmp_path):
+    command = [*LAUNCHERS[launcher], *LONG]
+    process = start(command, tmp_path)
+    wait_for_training(process, tmp_path)
+    ctrl_c(process)
+    returncode, stdout, stderr = finish(process, tmp_path)
+    output = stdout + stderr
+
+    hints = [HINT.search(line) for line in output.splitlines() if "checkpoint saved: continue with" in line]
+    assert len(hints) == 1 and hints[0], output[-4000:]
+    step, resume = int(hints[0][1]), shlex.split(hints[0][2])
+    (run_dir,) = run_dirs(tmp_path)
+    assert last_checkpoint(run_dir)["global_step"] == step
+    if launcher == "torchrun":
+        # torchrun exits 1 with its own SignalException traceback, once its workers have saved.
+        assert returncode == 1 and "SignalException" in stderr, output[-4000:]
+        assert f'File "{TRAIN}"' not in output, output[-4000:]
+    else:
+        assert returncode == 130, output[-4000:]
+        assert "Traceback" not in output, output[-4000:]
+
+    # the printed command, as a user would paste it (with this environment's python or torchrun)
+    assert resume[0] == ("torchrun" if launcher == "torchrun" else "python")
+    assert resume[-1] == f"resume={os.path.relpath(run_dir, tmp_path)}"
+    resume[0] = str(TORCHRUN) if launcher == "torchrun" else sys.executable
+    bounded = [f"trainer.max_steps={step + 4}"]
+    check(subprocess.run([*resume, *bounded], cwd=tmp_path, env=_clean_env(), capture_output=True, text=True, timeout=180))
+    reference = tmp_path / "reference"
+    reference.mkdir()
+    check(subprocess.run([*command, *bounded], cwd=reference, env=_clean_env(), capture_output=True, text=True, timeout=180))
+    assert_bit_identical(last_checkpoint(run_dir), last_checkpoint(run_dirs(reference)[0]))
+
+
+def test_a_second_ctrl_c_exits_at_once_and_the_saved_checkpoint_still_loads(tmp_path):
+    process = start([*LAUNCHERS["python"], *LONG], tmp_path)
+    wait_for_training(process, tmp_path)
+    started = time.monotonic()
+    ctrl_c(process, times=2)
+    returncode, stdout, stderr = finish(process, tmp_path)
+    assert returncode == 130, stdout + stderr
+    assert time.monotonic() - started < 15
+    assert re.search(r"^error: interrupted again: exiting at once", stderr, re.MULTILINE), stderr
+    assert "Traceback" not in stdout + stderr
+    (run_dir,) = run_dirs(tmp_path)
+    assert load_checkpoint(run_dir / "checkpoints" / "last.pt")["global_step"] > 0
+
+
+def test_ctrl_c_in_a_sweep_marks_the_job_interrupted_and_starts_no_other(tmp_path):
+    process = start([sys.executable, str(TRAIN), "-m", "strategy=single", *LONG, "data.batch_size=8,16"], tmp_path)
+    wait_for_training(process, tmp_path)
+    ctrl_c(process)
+    returncode, stdout, stderr = finish(process, tmp_path)
+    assert returncode == 130, stdout + stderr
+    assert "Traceback" not in stdout + stderr
+    (sweep,) = (tmp_path / "outputs" / "multirun").iterdir()
+    assert sorted(p.name for p in sweep.iterdir() if p.is_dir()) == ["0"]  # job 1 never started
+    with open(sweep / "summary.csv") as f:
+        (row,) = csv.DictReader(f)
+    assert (row["job"], row["status"]) == ("0", "interrupted")
+    assert "sweep summary" in stdout and "interrupted" in stdout
+    assert last_checkpoint(sweep / "0")["global_step"] > 0
