@@ -13,6 +13,7 @@ import random
 import signal
 import sys
 import time
+from dataclasses import dataclass
 from pathlib import Path
 
 import hydra
@@ -28,7 +29,7 @@ from tqdm import tqdm
 
 from data import build_datasets
 from ddp.checkpoint import save_step_checkpoint
-from ddp.config import ConfigError, check_model_accepts, instantiate_checked, register_configs, validate
+from ddp.config import ConfigError, check_model_accepts, instantiate_checked, optimizer_node, register_configs, validate
 from ddp.env import DistEnv, select_device
 from ddp.faults import inject_fault
 from ddp.launch import launch_workers
@@ -49,6 +50,7 @@ from ddp.resume import (
     checkpoint_state,
     find_resume_checkpoint,
     gather_rank_states,
+    check_update_state_fits,
     load_model_state,
     restore_rank_state,
     resume_position,
@@ -56,39 +58,46 @@ from ddp.resume import (
 from ddp.run_dir import register_resolvers
 from ddp.sweep_summary import record_failed_job
 from ddp.syncbn import convert_syncbn
-from ddp.wrap import process_gpus, seed_dataparallel_replicas, unwrap_model, wrap_model
+from ddp.update import Diverged, UpdateStep, build_ema, build_scheduler, check_schedule, scaled_lr
+from ddp.wrap import process_gpus, seed_dataparallel_replicas, wrap_model
 
 log = logging.getLogger("train")
 
 
-def train_one_epoch(model, batches, optimizer, device, position, batches_per_epoch, step_limit, log_every_n_steps, world_size,
-                    writer, after_step) -> None:
-    """Train on `batches` ((index, batch) pairs) until the epoch ends or `step_limit` steps are done."""
-    model.train()
+def train_one_epoch(update, batches, position, length, log_every_n_steps, world_size, writer, after_update) -> None:
+    """Train on `batches` ((index, batch) pairs) until the epoch ends or the run's last update is done.
+    Micro-batches form groups of trainer.accumulate_grad_batches, one optimizer update each (an
+    epoch's last group may be shorter)."""
+    update.model.train()
     logged_step, logged_at = position.global_step, time.perf_counter()
+    group_samples = 0
     for batch_index, (images, labels) in batches:
-        if batch_index == batches_per_epoch or position.global_step >= step_limit:
+        if batch_index == length.batches_per_epoch or position.global_step >= length.total_updates:
             break
-        images, labels = images.to(device, non_blocking=True), labels.to(device, non_blocking=True)
-        loss = F.cross_entropy(model(images), labels)
-        optimizer.zero_grad(set_to_none=True)
-        loss.backward()
-        optimizer.step()
-
+        group_start = batch_index - batch_index % length.accumulate
+        group_size = min(length.accumulate, length.batches_per_epoch - group_start)
+        loss = update.micro_step(images, labels, batch_index - group_start, group_size)
         position.batch_in_epoch = batch_index + 1
-        position.global_step += 1
-        position.epoch_totals[0] += loss.detach().double() * len(labels)  # on the device: no host sync per step
+        position.epoch_totals[0] += loss.double() * len(labels)  # on the device: no host sync per step
         position.epoch_totals[1] += len(labels)
+        group_samples += len(labels)
+        if position.batch_in_epoch - group_start < group_size:
+            continue  # the update comes with the group's last micro-batch
+
+        position.global_step += 1
         if position.global_step % log_every_n_steps == 0:
             loss_value = loss.item()  # waits for the device, so the clock below counts the work done
             now = time.perf_counter()
-            samples = (position.global_step - logged_step) * len(labels) * world_size
             writer.add_scalar("train/loss", loss_value, position.global_step)
-            writer.add_scalar("train/lr", optimizer.param_groups[0]["lr"], position.global_step)
+            writer.add_scalar("train/lr", update.lr, position.global_step)
+            if update.grad_norm is not None:
+                writer.add_scalar("train/grad_norm", update.grad_norm.item(), position.global_step)
+            samples = (position.global_step - logged_step) * length.global_batch
             writer.add_scalar("train/samples_per_s", samples / (now - logged_at), position.global_step)
             logged_step, logged_at = position.global_step, now
-        epoch_ends = position.batch_in_epoch == batches_per_epoch or position.global_step >= step_limit
-        after_step(len(labels) * world_size, epoch_ends)
+        epoch_ends = position.batch_in_epoch == length.batches_per_epoch or position.global_step >= length.total_updates
+        after_update(group_samples * world_size, epoch_ends)
+        group_samples = 0
 
 
 @torch.no_grad()
@@ -106,6 +115,29 @@ def evaluate(model, loader, device, limit_batches: int) -> dict[str, float]:
         totals[2] += len(labels)
     loss_sum, correct, count = all_reduce_sum(totals).tolist()
     return {"val_loss": loss_sum / count, "val_accuracy": correct / count, "val_samples": int(count)}
+
+
+@dataclass(frozen=True)
+class TrainingLength:
+    """How long the run is, in the units the loop counts."""
+
+    batches_per_epoch: int  # micro-batches of this rank per epoch (all ranks have the same number)
+    accumulate: int  # micro-batches per optimizer update
+    updates_per_epoch: int
+    total_updates: int  # trainer.max_epochs of them, or trainer.max_steps if that ends first
+    global_batch: int  # samples per update over all ranks
+
+    @classmethod
+    def of(cls, trainer_cfg, train_size: int, batch_size: int, world_size: int) -> "TrainingLength":
+        batches = math.ceil(math.ceil(train_size / world_size) / batch_size)  # DistributedSampler pads to equal shares
+        if trainer_cfg.limit_train_batches != -1:
+            batches = min(batches, trainer_cfg.limit_train_batches)
+        accumulate = trainer_cfg.accumulate_grad_batches
+        updates_per_epoch = math.ceil(batches / accumulate)
+        total = updates_per_epoch * trainer_cfg.max_epochs
+        if trainer_cfg.max_steps != -1:
+            total = min(total, trainer_cfg.max_steps)
+        return cls(batches, accumulate, updates_per_epoch, total, batch_size * world_size * accumulate)
 
 
 def run(cfg: DictConfig, run_dir: Path, relaunch: str) -> dict:
@@ -128,19 +160,22 @@ def run(cfg: DictConfig, run_dir: Path, relaunch: str) -> dict:
     # data and model: identical on every rank (same seed)
     torch.manual_seed(cfg.seed)
     splits = build_datasets(cfg.data)
+    length = TrainingLength.of(cfg.trainer, len(splits.train), cfg.data.batch_size, env.world_size)
+    check_schedule(cfg.scheduler, length.total_updates, length.updates_per_epoch)
     model = instantiate_checked(cfg.model, "model", num_classes=splits.num_classes, in_channels=splits.in_channels)
     check_model_accepts(model, splits.val[0][0])
     # the real optimizer needs the wrapped model; build one on a dummy now to reject bad settings early
-    instantiate_checked(cfg.optim, "optim", params=[torch.zeros(1, requires_grad=True)])
+    instantiate_checked(optimizer_node(cfg.optim), "optim", params=[torch.zeros(1, requires_grad=True)])
 
     # resume: weights load before wrapping, so DDP starts every rank from them
     restarted = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")) > 0
     resumed = find_resume_checkpoint(cfg.resume, run_dir, restarted)
     if resumed:
         load_model_state(model, resumed[1]["model"], resumed[0])
+        check_update_state_fits(resumed[1], resumed[0], cfg)
 
     with process_group(backend, env, device, cfg.strategy.timeout_s) if distributed else contextlib.nullcontext():
-        return fit(cfg, env, device, gpus, memory_reset, splits, model, resumed, run_dir, relaunch)
+        return fit(cfg, env, device, gpus, memory_reset, splits, length, model, resumed, run_dir, relaunch)
 
 
 # What BatchNorm does with syncbn=true outside DDP, where it changes nothing.
@@ -153,25 +188,34 @@ SYNCBN_WITHOUT_DDP = {
 
 
 @record  # a failing rank's traceback reaches torchrun's error summary (Hydra would swallow it)
-def fit(cfg: DictConfig, env: DistEnv, device: torch.device, gpus: list[int], memory_reset: bool, splits, model, resumed,
-        run_dir: Path, relaunch: str) -> dict:
+def fit(cfg: DictConfig, env: DistEnv, device: torch.device, gpus: list[int], memory_reset: bool, splits,
+        length: TrainingLength, model, resumed, run_dir: Path, relaunch: str) -> dict:
     world_size, trainer = env.world_size, cfg.trainer
     distributed = cfg.strategy.name == "ddp"
     pin_memory = device.type == "cuda"
     train_loader = build_train_loader(splits.train, cfg.data, env, cfg.seed, pin_memory)
     val_loader = build_val_loader(splits.val, cfg.data, env, pin_memory)
 
-    # SyncBN before wrapping, then wrap
+    # memory format and SyncBN before wrapping; the EMA copies the model as it trains
+    model = model.to(device, memory_format=torch.channels_last if cfg.channels_last else torch.preserve_format)
     if cfg.syncbn and distributed:
         model = convert_syncbn(model, device)
-    model = wrap_model(model.to(device), cfg.strategy, env, device)
-    raw_model = unwrap_model(model)
-    # DDP's forward may sync buffers; ranks can hold different numbers of val batches, so evaluate
-    # the bare model. DataParallel has no collectives and keeps its multi-GPU eval.
-    eval_model = raw_model if distributed else model
+    raw_model, ema = model, build_ema(model, cfg.ema.decay)
+    # Compiled before wrapping, as timm does (the two orders measured alike on CPU: README, Recipes).
+    # Checkpoints hold raw_model's plain keys, never torch.compile's `_orig_mod.` ones.
+    trained = torch.compile(model, mode=cfg.compile_mode) if cfg.compile else model
+    model = wrap_model(trained, cfg.strategy, env, device)
+    # DDP's forward may sync buffers, and ranks can hold different numbers of val batches: evaluate
+    # the bare, uncompiled model (no eval-mode graph to compile, nor a recompile for a short last
+    # batch). DataParallel has no collectives and keeps its multi-GPU eval.
+    eval_model = model if cfg.strategy.name == "dp" else raw_model
     # Without SyncBN each rank's BatchNorm statistics drift apart: evaluate rank 0's, the saved ones.
     sync_buffers = distributed and not cfg.syncbn
-    optimizer = instantiate(cfg.optim, params=model.parameters())
+    lr = scaled_lr(cfg.optim, length.global_batch)
+    optimizer = instantiate(optimizer_node(cfg.optim), params=model.parameters(), lr=lr)
+    scheduler = build_scheduler(cfg.scheduler, optimizer, length.total_updates, length.updates_per_epoch)
+    update = UpdateStep(model, optimizer, device=device, precision=cfg.precision, scheduler=scheduler,
+                        clip_norm=trainer.gradient_clip_norm, ema=ema, channels_last=cfg.channels_last)
 
     torch.manual_seed(cfg.seed + env.rank)  # per-rank randomness (dropout) from here on
     seed_dataparallel_replicas(model, cfg.seed + env.rank)
@@ -179,23 +223,26 @@ def fit(cfg: DictConfig, env: DistEnv, device: torch.device, gpus: list[int], me
     position, rank_state = Position(), None
     if resumed:
         optimizer.load_state_dict(resumed[1]["optimizer"])
+        update.load_state_dict(resumed[1])
         position, rank_state = resume_position(*resumed, world_size, env.rank)
     position.epoch_totals = position.epoch_totals.to(device)
 
     writer = RankZeroWriter(run_dir, env, purge_step=position.global_step + 1 if resumed else None)
-    global_batch = cfg.data.batch_size * world_size
     log.info(
-        "strategy=%s world_size=%d device=%s batch_size=%d global_batch=%d lr=%g train=%d val=%d samples",
-        cfg.strategy.name, world_size, device, cfg.data.batch_size, global_batch, cfg.optim.lr, len(splits.train), len(splits.val),
+        "strategy=%s world_size=%d device=%s batch_size=%d accumulate=%d global_batch=%d lr=%g precision=%s train=%d val=%d samples",
+        cfg.strategy.name, world_size, device, cfg.data.batch_size, length.accumulate, length.global_batch, lr,
+        cfg.precision, len(splits.train), len(splits.val),
     )
 
     meter = ThroughputMeter(trainer.warmup_steps, device)
 
     def save() -> None:
-        # A collective: every rank contributes its RNG state, rank 0 writes.
+        # A collective: every rank contributes its RNG state, rank 0 writes; never non-finite weights.
+        update.check_finite(position.global_step, raw_model)
         rank_states = gather_rank_states(capture_rank_state(train_loader.generator, position.epoch_totals, gpus))
         if env.is_main:
-            state = checkpoint_state(raw_model, optimizer, position, rank_states, OmegaConf.to_container(cfg, resolve=True))
+            state = checkpoint_state(raw_model, optimizer, update.state_dict(), position, rank_states,
+                                     OmegaConf.to_container(cfg, resolve=True))
             save_step_checkpoint(state, run_dir, position.global_step, cfg.checkpoint.keep_last)
         if dist.is_initialized():
             dist.barrier()  # nobody runs ahead (or exits) before the checkpoint exists
@@ -204,21 +251,27 @@ def fit(cfg: DictConfig, env: DistEnv, device: torch.device, gpus: list[int], me
     def validate_model() -> dict[str, float]:
         if sync_buffers:
             broadcast_buffers_from_rank_zero(raw_model)
-        return evaluate(eval_model, val_loader, device, trainer.limit_val_batches)
+        metrics = evaluate(eval_model, val_loader, device, trainer.limit_val_batches)
+        if ema is not None:
+            if sync_buffers:
+                broadcast_buffers_from_rank_zero(ema.module)
+            ema_metrics = evaluate(ema.module, val_loader, device, trainer.limit_val_batches)
+            metrics |= {"val_ema_loss": ema_metrics["val_loss"], "val_ema_accuracy": ema_metrics["val_accuracy"]}
+        return metrics
 
     # loop
     every_n = cfg.checkpoint.every_n_steps
     stopper = StopOnSignal(distributed=dist.is_initialized(), check_every_n_steps=trainer.log_every_n_steps)
     saved = {"step": position.global_step if resumed else -1}
-    batches_per_epoch = len(train_loader) if trainer.limit_train_batches == -1 else min(len(train_loader), trainer.limit_train_batches)
-    step_limit = math.inf if trainer.max_steps == -1 else trainer.max_steps
-    total_steps = min(batches_per_epoch * trainer.max_epochs, step_limit)
-    progress = tqdm(total=total_steps, initial=position.global_step, desc="train", disable=not (env.is_main and sys.stderr.isatty()))
+    progress = tqdm(total=length.total_updates, initial=position.global_step, desc="train",
+                    disable=not (env.is_main and sys.stderr.isatty()))
 
-    def after_step(global_samples: int, epoch_ends: bool) -> None:
+    def after_update(global_samples: int, epoch_ends: bool) -> None:
         progress.update(1)
         meter.step(global_samples)
         inject_fault(cfg.fault, env.rank, position.global_step)
+        if position.global_step % trainer.log_every_n_steps == 0 or epoch_ends:  # where the loop waits anyway
+            update.check_finite(position.global_step)
         if signum := stopper.stop_now(position.global_step, epoch_ends, device):
             save()
             stopper.saved_step = position.global_step
@@ -237,31 +290,31 @@ def fit(cfg: DictConfig, env: DistEnv, device: torch.device, gpus: list[int], me
     with stopper:  # SIGTERM and Ctrl-C: save at the next step boundary, then exit
         started = time.perf_counter()
         metrics: dict[str, float] = {}
-        while position.epoch < trainer.max_epochs and position.global_step < step_limit:
+        while position.epoch < trainer.max_epochs and position.global_step < length.total_updates:
             epoch_started = time.perf_counter()
             start_epoch(train_loader, position.epoch, cfg.seed, env.rank)
             restore = (lambda state=rank_state: restore_rank_state(state, gpus)) if rank_state else None
             batches = iterate_from(train_loader, position.batch_in_epoch, on_resume=restore)
             rank_state = None
             meter.resume()
-            train_one_epoch(model, batches, optimizer, device, position, batches_per_epoch, step_limit, trainer.log_every_n_steps,
-                            world_size, writer, after_step)
+            train_one_epoch(update, batches, position, length, trainer.log_every_n_steps, world_size, writer, after_update)
             meter.pause()
 
             loss_sum, count = all_reduce_sum(position.epoch_totals.clone()).tolist()
             metrics = {"train_loss": loss_sum / max(count, 1)}
             writer.add_scalar("train/epoch_loss", metrics["train_loss"], position.global_step)
             writer.add_scalar("train/epoch_time_s", time.perf_counter() - epoch_started, position.global_step)
-            last_epoch = position.epoch == trainer.max_epochs - 1 or position.global_step >= step_limit
+            last_epoch = position.epoch == trainer.max_epochs - 1 or position.global_step >= length.total_updates
             if (position.epoch + 1) % trainer.val_every_n_epochs == 0 or last_epoch:
                 metrics |= validate_model()
-                writer.add_scalar("val/loss", metrics["val_loss"], position.global_step)
-                writer.add_scalar("val/accuracy", metrics["val_accuracy"], position.global_step)
-                log.info("epoch %d step %d: train_loss=%.4f val_loss=%.4f val_accuracy=%.4f", position.epoch,
-                         position.global_step, metrics["train_loss"], metrics["val_loss"], metrics["val_accuracy"])
+                for key, value in metrics.items():
+                    if key.startswith("val_") and key != "val_samples":
+                        writer.add_scalar(key.replace("val_", "val/", 1), value, position.global_step)
+                log.info("epoch %d step %d: %s", position.epoch, position.global_step,
+                         " ".join(f"{key}={value:.4f}" for key, value in metrics.items() if key != "val_samples"))
             # A max_steps stop mid-epoch stays where it is (epoch, batch and partial sums), so a longer
             # run resumed from it continues the epoch exactly; validation doesn't touch the RNGs.
-            if position.batch_in_epoch == batches_per_epoch:
+            if position.batch_in_epoch == length.batches_per_epoch:
                 position.epoch, position.batch_in_epoch = position.epoch + 1, 0
                 position.epoch_totals = torch.zeros_like(position.epoch_totals)
             if every_n and position.global_step % every_n == 0:
@@ -279,11 +332,14 @@ def fit(cfg: DictConfig, env: DistEnv, device: torch.device, gpus: list[int], me
         **metrics,
         "steps": position.global_step,
         "epochs": position.epoch,  # completed
-        "epoch_progress": position.epoch + position.batch_in_epoch / batches_per_epoch,
+        "epoch_progress": position.epoch + position.batch_in_epoch / length.batches_per_epoch,
         "world_size": world_size,
         "strategy": cfg.strategy.name,
         "batch_size": cfg.data.batch_size,
-        "global_batch_size": global_batch,
+        "accumulate_grad_batches": length.accumulate,
+        "global_batch_size": length.global_batch,
+        "lr": lr,
+        "precision": cfg.precision,
         "samples_per_s": meter.samples_per_s,
         "train_time_s": meter.seconds,
         "wall_s": wall_s,
@@ -295,22 +351,26 @@ def fit(cfg: DictConfig, env: DistEnv, device: torch.device, gpus: list[int], me
         log.warning("the ranks' model replicas differ at the end of training: some code path depends on the rank")
     if env.is_main:
         write_json(results, run_dir / "results.json")
-    writer.add_hparams(hparams_of(cfg, world_size), {f"hparam/{k}": v for k, v in metrics.items()}, position.global_step)
+    writer.add_hparams(hparams_of(cfg, length, lr), {f"hparam/{k}": v for k, v in metrics.items()}, position.global_step)
     writer.close()
     return results
 
 
-def hparams_of(cfg: DictConfig, world_size: int) -> dict:
+def hparams_of(cfg: DictConfig, length: TrainingLength, lr: float) -> dict:
     return {
         "strategy": cfg.strategy.name,
         "model": cfg.model._target_.rsplit(".", 1)[-1],
         "data": cfg.data._target_.rsplit(".", 1)[-1],
         "optimizer": cfg.optim._target_.rsplit(".", 1)[-1],
-        "lr": cfg.optim.lr,
+        "lr": lr,
+        "scheduler": cfg.scheduler.name,
+        "precision": cfg.precision,
         "batch_size": cfg.data.batch_size,
-        "global_batch_size": cfg.data.batch_size * world_size,
-        "world_size": world_size,
+        "accumulate_grad_batches": length.accumulate,
+        "global_batch_size": length.global_batch,
+        "world_size": length.global_batch // (cfg.data.batch_size * length.accumulate),
         "syncbn": cfg.syncbn,
+        "ema_decay": cfg.ema.decay if cfg.ema.decay is not None else 0.0,
         "seed": cfg.seed,
         "max_epochs": cfg.trainer.max_epochs,
     }
@@ -342,7 +402,7 @@ def main(cfg: DictConfig) -> float:
         record_failed_job(hydra_cfg, cfg, Interrupted(signal.SIGINT))
         print("error: interrupted before or after training: exiting; nothing more was saved", file=sys.stderr)
         sys.exit(130)
-    except ConfigError as error:
+    except (ConfigError, Diverged) as error:
         if in_sweep and not env.under_torchrun:
             raise  # this job fails, the sweep goes on, and its summary says why
         print(f"error: {error}", file=sys.stderr)

@@ -35,6 +35,7 @@ class ModelConfig:
 class SmallCNNConfig(ModelConfig):
     channels: list[int] = field(default_factory=lambda: [32, 64, 128])
     dropout: float = 0.0
+    norm: str = "batch"  # batch | group | none; GroupNorm needs no SyncBN at small per-GPU batches
 
 
 @dataclass
@@ -84,8 +85,14 @@ class Cifar10DataConfig(DataConfig):
 
 @dataclass
 class OptimConfig:
-    _target_: str = MISSING  # a torch.optim class; gets params= and the keys below
-    lr: float = MISSING
+    _target_: str = MISSING  # a torch.optim class; gets params= and the keys below but the scaling keys
+    lr: float = MISSING  # at optim.reference_batch_size; see lr_scaling
+    lr_scaling: str = "none"  # none | linear | sqrt: scale lr by the global batch / reference_batch_size
+    reference_batch_size: int = 256  # the global batch that optim.lr is meant for
+
+
+# Keys of OptimConfig that say how to scale the LR, not for the torch.optim class.
+LR_SCALING_KEYS = ("lr_scaling", "reference_batch_size")
 
 
 @dataclass
@@ -101,9 +108,36 @@ class AdamConfig(OptimConfig):
 
 
 @dataclass
+class SchedulerConfig:
+    """Stepped once per optimizer update (not per micro-batch, not per epoch)."""
+
+    name: str = MISSING  # none | cosine | step, set by the scheduler/<name>.yaml option
+    warmup_steps: int = 0  # linear warmup over this many updates (plus warmup_epochs); the first LR is lr / warmup
+    warmup_epochs: float = 0.0
+
+
+@dataclass
+class CosineSchedulerConfig(SchedulerConfig):
+    min_lr: float = 0.0  # the LR at the last update
+
+
+@dataclass
+class StepSchedulerConfig(SchedulerConfig):
+    milestones: list[int] = field(default_factory=lambda: [30, 60])  # epochs at which the LR is multiplied by gamma
+    gamma: float = 0.1
+
+
+@dataclass
+class EMAConfig:
+    decay: float | None = None  # null: off; e.g. 0.999: an exponential moving average of the weights, evaluated too
+
+
+@dataclass
 class TrainerConfig:
     max_epochs: int = 10
-    max_steps: int = -1  # -1: no limit; otherwise stop after this many optimizer steps
+    max_steps: int = -1  # -1: no limit; otherwise stop after this many optimizer steps (updates)
+    accumulate_grad_batches: int = 1  # micro-batches per optimizer update
+    gradient_clip_norm: float | None = None  # null: off; else clip the global grad norm to this
     log_every_n_steps: int = 10  # at most MAX_LOG_EVERY_N_STEPS: DDP ranks also agree on SIGTERM then
     val_every_n_epochs: int = 1
     limit_train_batches: int = -1  # -1: all; for smoke runs
@@ -134,13 +168,19 @@ class TrainConfig:
     model: ModelConfig = MISSING
     data: DataConfig = MISSING
     optim: OptimConfig = MISSING
+    scheduler: SchedulerConfig = MISSING
     trainer: TrainerConfig = field(default_factory=TrainerConfig)
+    ema: EMAConfig = field(default_factory=EMAConfig)
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
     fault: FaultConfig = field(default_factory=FaultConfig)
     resume: str | None = None  # auto | a run dir | a checkpoint file; auto after a torchrun restart
     backend: str = "auto"  # auto | nccl | gloo; auto is nccl when CUDA is available, else gloo
     syncbn: bool = False  # synchronize BatchNorm statistics across ranks (strategy=ddp)
     deterministic: bool = False  # cuDNN picks deterministic algorithms only (exact resume on GPUs; slower)
+    precision: str = "32"  # 32 | bf16 | 16 (fp16, with a GradScaler): autocast on the run's device
+    channels_last: bool = False  # model and every input batch in channels_last memory format
+    compile: bool = False  # torch.compile the model (before wrapping; checkpoints keep the plain keys)
+    compile_mode: str | None = None  # torch.compile(mode=...): null (default), reduce-overhead, max-autotune
     seed: int = 0
 
 
@@ -154,6 +194,7 @@ SCHEMAS = {
         "cifar10": Cifar10DataConfig,
     },
     "optim": {"sgd": SGDConfig, "adam": AdamConfig, "adamw": AdamConfig},
+    "scheduler": {"none": SchedulerConfig, "cosine": CosineSchedulerConfig, "step": StepSchedulerConfig},
 }
 
 
@@ -164,6 +205,11 @@ def register_configs() -> None:
     for group, schemas in SCHEMAS.items():
         for option, schema in schemas.items():
             cs.store(group=f"schema/{group}", name=option, node=schema)
+
+
+def optimizer_node(optim_cfg) -> dict:
+    """What the torch.optim class gets: optim.* without the LR scaling keys."""
+    return {key: value for key, value in optim_cfg.items() if key not in LR_SCALING_KEYS}
 
 
 def instantiate_checked(node: Any, key: str, **kwargs: Any) -> Any:
@@ -195,6 +241,9 @@ def check_model_accepts(model: torch.nn.Module, sample: torch.Tensor) -> None:
 
 
 STRATEGIES = ("single", "dp", "ddp")
+PRECISIONS = ("32", "bf16", "16")
+COMPILE_MODES = (None, "default", "reduce-overhead", "max-autotune", "max-autotune-no-cudagraphs")
+LR_SCALINGS = ("none", "linear", "sqrt")
 # DDP ranks act on SIGTERM at log steps; this many steps must fit in the 20 s before a rank gives up.
 MAX_LOG_EVERY_N_STEPS = 100
 BACKENDS = ("auto", "nccl", "gloo")
@@ -254,6 +303,28 @@ def validate(cfg: Any, *, under_torchrun: bool, world_size: int) -> None:
         _check(rank < 0 or cfg.fault.at_step >= 1, f"fault.{key}={rank} needs fault.at_step >= 1")
     if cfg.resume not in (None, "auto"):
         _check(Path(cfg.resume).exists(), f"resume={cfg.resume}: not found; pass a run dir, a checkpoint file, or resume=auto")
+    _check(cfg.precision in PRECISIONS, f"precision={cfg.precision}: unknown, use one of {', '.join(PRECISIONS)}")
+    _check(cfg.compile_mode in COMPILE_MODES,
+           f"compile_mode={cfg.compile_mode}: unknown, use null or one of {', '.join(m for m in COMPILE_MODES if m)}")
+    _check(trainer.accumulate_grad_batches >= 1,
+           f"trainer.accumulate_grad_batches={trainer.accumulate_grad_batches}: must be >= 1 (micro-batches per update)")
+    clip = trainer.gradient_clip_norm
+    _check(clip is None or clip > 0, f"trainer.gradient_clip_norm={clip}: must be > 0, or null for no clipping")
+    decay = cfg.ema.decay
+    _check(decay is None or 0 < decay < 1, f"ema.decay={decay}: must be in (0, 1), e.g. ema.decay=0.999, or null for no EMA")
+    _check(cfg.optim.lr_scaling in LR_SCALINGS,
+           f"optim.lr_scaling={cfg.optim.lr_scaling}: unknown, use one of {', '.join(LR_SCALINGS)}")
+    _check(cfg.optim.reference_batch_size >= 1, f"optim.reference_batch_size={cfg.optim.reference_batch_size}: must be >= 1")
+    scheduler = cfg.scheduler
+    for key in ("warmup_steps", "warmup_epochs"):
+        _check(scheduler[key] >= 0, f"scheduler.{key}={scheduler[key]}: must be >= 0")
+    if "min_lr" in scheduler:
+        _check(0 <= scheduler.min_lr <= cfg.optim.lr, f"scheduler.min_lr={scheduler.min_lr}: must be in [0, optim.lr]")
+    if "gamma" in scheduler:
+        _check(0 < scheduler.gamma <= 1, f"scheduler.gamma={scheduler.gamma}: must be in (0, 1]")
+        milestones = list(scheduler.milestones)
+        _check(milestones == sorted(set(milestones)) and all(m >= 1 for m in milestones),
+               f"scheduler.milestones={milestones}: must be increasing epochs >= 1")
     _check(cfg.strategy.nproc_per_node >= 0, f"strategy.nproc_per_node={cfg.strategy.nproc_per_node}: must be >= 0")
     _check(cfg.strategy.max_restarts >= 0, f"strategy.max_restarts={cfg.strategy.max_restarts}: must be >= 0")
     if strategy == "ddp":

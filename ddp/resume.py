@@ -27,12 +27,15 @@ class Position:
     epoch_totals: torch.Tensor = field(default_factory=lambda: torch.zeros(2, dtype=torch.float64))
 
 
-def checkpoint_state(model: nn.Module, optimizer, position: Position, rank_states: list[dict[str, Any]], config: dict) -> dict[str, Any]:
+def checkpoint_state(model: nn.Module, optimizer, update_state: dict[str, Any], position: Position,
+                     rank_states: list[dict[str, Any]], config: dict) -> dict[str, Any]:
     """Everything a resume needs, as plain containers and CPU tensors: it loads with weights_only=True
-    on any host, GPUs or not (optimizer.load_state_dict moves the state back to the parameters' device)."""
+    on any host, GPUs or not (optimizer.load_state_dict moves the state back to the parameters' device).
+    `update_state`: the scheduler, GradScaler and EMA states (None where off)."""
     return {
         "model": to_cpu(model.state_dict()),
         "optimizer": to_cpu(optimizer.state_dict()),
+        **to_cpu(update_state),
         "epoch": position.epoch,
         "batch_in_epoch": position.batch_in_epoch,
         "global_step": position.global_step,
@@ -103,6 +106,19 @@ def load_model_state(model: nn.Module, state_dict: dict[str, torch.Tensor], sour
             f"missing keys {missing}, unexpected keys {unexpected}, different shapes {reshaped}"
         )
     model.load_state_dict(state_dict, strict=True)
+
+
+def check_update_state_fits(checkpoint: dict[str, Any], source: Path, cfg) -> None:
+    """The scheduler, GradScaler and EMA states of the checkpoint match what this run keeps."""
+    for key, kept, setting in (
+        ("scheduler", cfg.scheduler.name != "none", f"scheduler={cfg.scheduler.name}"),
+        ("scaler", cfg.precision == "16", f"precision={cfg.precision}"),
+        ("ema", cfg.ema.decay is not None, f"ema.decay={cfg.ema.decay}"),
+    ):
+        if (checkpoint.get(key) is not None) != kept:
+            saved = "with" if checkpoint.get(key) is not None else "without"
+            raise ConfigError(f"resume: {source} was saved {saved} a {key} state, which {setting} "
+                              f"{'needs' if kept else 'has no use for'}: resume with the settings it was trained with")
 
 
 def capture_rank_state(loader_generator: torch.Generator, epoch_totals: torch.Tensor, cuda_devices: list[int]) -> dict[str, Any]:

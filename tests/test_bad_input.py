@@ -11,8 +11,12 @@ import subprocess
 from pathlib import Path
 
 import pytest
+import torch.distributed as dist
+from hydra import compose, initialize_config_dir
 
-from conftest import TORCHRUN, TRAIN, launch
+import train
+from conftest import REPO, TORCHRUN, TRAIN, launch
+from ddp.config import ConfigError
 
 # A tiny run where the case allows; a case's own args come after these, and the last override wins.
 QUICK = ["trainer.max_epochs=1", "data=synthetic", "data.num_samples=32", "data.num_val_samples=8"]
@@ -99,6 +103,16 @@ OUR_ERRORS = {
         QUICK + ["trainer.log_every_n_steps=101"], "trainer.log_every_n_steps=101", "must be <= 100", None,
     ),
     "momentum_of_one_or_more": (QUICK + ["optim.momentum=2"], "optim.momentum=2", "must be in [0, 1)", None),
+    "unknown_precision": (QUICK + ["precision=fp8"], "precision=fp8", "unknown, use one of 32, bf16, 16", None),
+    "no_micro_batches_per_update": (
+        QUICK + ["trainer.accumulate_grad_batches=0"], "trainer.accumulate_grad_batches=0", "must be >= 1", None,
+    ),
+    "warmup_longer_than_the_run": (
+        QUICK + ["scheduler=cosine", "scheduler.warmup_steps=5"], "scheduler.warmup_steps", "but the run has only 1", None,
+    ),
+    "ema_decay_above_one": (QUICK + ["ema.decay=1.5"], "ema.decay=1.5", "must be in (0, 1)", None),
+    "negative_clip_norm": (QUICK + ["trainer.gradient_clip_norm=-1"], "trainer.gradient_clip_norm=-1", "must be > 0", None),
+    "unknown_norm": (QUICK + ["model.norm=layer"], "model.norm=layer", "unknown, use one of batch, group, none", None),
     "image_the_model_cannot_take": (
         QUICK + ["data.image_size=0"], "data.image_size", ("the model can't take this data's samples", "[3, 0, 0]"), None,
     ),
@@ -136,8 +150,37 @@ OUR_ERRORS = {
 
 
 @pytest.mark.parametrize("args, key, message, setup", OUR_ERRORS.values(), ids=OUR_ERRORS.keys())
-def test_our_config_errors_are_one_line(tmp_path, args, key, message, setup):
-    """Each mistake ends with exit 1 and one `error:` line that names the key, before anything starts."""
+def test_our_config_errors_name_the_key_before_anything_starts(tmp_path, monkeypatch, args, key, message, setup):
+    """train.run itself, in this process: each mistake raises ConfigError naming the key, in one
+    line, before a process group, an event file or a checkpoint exists. (How the command line turns
+    that into one `error:` line and exit 1 is checked below, on a few of these, as real processes.)"""
+    monkeypatch.chdir(tmp_path)
+    folder = setup(tmp_path) if setup else None
+    args = [arg.format(tmp=tmp_path, dir=folder) for arg in args]
+    with initialize_config_dir(config_dir=str(REPO / "conf"), version_base="1.3"):
+        cfg = compose("config", overrides=args)
+    run_dir = tmp_path / "outputs" / "run"
+    with pytest.raises(ConfigError) as error:
+        train.run(cfg, run_dir, relaunch="")
+    line = str(error.value)
+    assert "\n" not in line
+    assert key.format(tmp=tmp_path, dir=folder) in line, line
+    for part in (message,) if isinstance(message, str) else message:
+        assert part in line, line
+    assert not dist.is_initialized()
+    assert not run_dir.exists()
+    assert not list(tmp_path.rglob("events.out.tfevents*")) and not list(tmp_path.rglob("*.pt"))
+
+
+# One case of each kind of check: the schema walk, a data builder, the model's own constructor, and
+# the dry forward pass; all the way through the command line.
+CLI_CASES = ["zero_batch_size", "unknown_nested_key", "imagefolder_without_splits", "model_rejects_a_value",
+             "image_the_model_cannot_take", "warmup_longer_than_the_run"]
+
+
+@pytest.mark.parametrize("case", CLI_CASES)
+def test_our_config_errors_are_one_line_and_exit_1_on_the_command_line(tmp_path, case):
+    args, key, message, setup = OUR_ERRORS[case]
     folder = setup(tmp_path) if setup else None
     args = [arg.format(tmp=tmp_path, dir=folder) for arg in args]
     result = launch(args, cwd=tmp_path, timeout=120)

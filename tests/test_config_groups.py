@@ -14,7 +14,7 @@ from sklearn.datasets import load_digits
 import ddp.config as schema
 from conftest import REPO
 from data import build_datasets
-from ddp.config import ConfigError, register_configs, validate
+from ddp.config import ConfigError, optimizer_node, register_configs, validate
 from ddp.run_dir import register_resolvers
 
 register_configs()
@@ -31,6 +31,7 @@ OPTIONS = {
         "cifar10": schema.Cifar10DataConfig,
     },
     "optim": {"sgd": schema.SGDConfig, "adam": schema.AdamConfig, "adamw": schema.AdamConfig},
+    "scheduler": {"none": schema.SchedulerConfig, "cosine": schema.CosineSchedulerConfig, "step": schema.StepSchedulerConfig},
 }
 ALL_OPTIONS = [(group, option) for group, options in OPTIONS.items() for option in options]
 
@@ -38,14 +39,16 @@ ALL_OPTIONS = [(group, option) for group, options in OPTIONS.items() for option 
 DEFAULT_KEYS = {
     "strategy.name", "strategy.timeout_s", "strategy.bucket_cap_mb", "strategy.find_unused_parameters",
     "strategy.nproc_per_node", "strategy.max_restarts",
-    "model._target_", "model.channels", "model.dropout",
+    "model._target_", "model.channels", "model.dropout", "model.norm",
     "data._target_", "data.batch_size", "data.num_workers", "data.val_fraction", "data.split_seed",
-    "optim._target_", "optim.lr", "optim.momentum", "optim.weight_decay", "optim.nesterov",
-    "trainer.max_epochs", "trainer.max_steps", "trainer.log_every_n_steps", "trainer.val_every_n_epochs",
+    "optim._target_", "optim.lr", "optim.lr_scaling", "optim.reference_batch_size", "optim.momentum", "optim.weight_decay",
+    "optim.nesterov", "scheduler.name", "scheduler.warmup_steps", "scheduler.warmup_epochs",
+    "trainer.max_epochs", "trainer.max_steps", "trainer.accumulate_grad_batches", "trainer.gradient_clip_norm",
+    "trainer.log_every_n_steps", "trainer.val_every_n_epochs",
     "trainer.limit_train_batches", "trainer.limit_val_batches", "trainer.warmup_steps",
     "checkpoint.every_n_steps", "checkpoint.keep_last",
     "fault.kill_rank", "fault.raise_rank", "fault.stall_rank", "fault.at_step", "fault.every_attempt",
-    "backend", "syncbn", "deterministic", "seed", "resume",
+    "ema.decay", "backend", "syncbn", "deterministic", "precision", "channels_last", "compile", "compile_mode", "seed", "resume",
 }
 
 # The keys each option adds to its group. Update this list deliberately when adding an option.
@@ -53,7 +56,7 @@ OPTION_KEYS = {
     ("strategy", "single"): {"name", "timeout_s", "bucket_cap_mb", "find_unused_parameters", "nproc_per_node", "max_restarts"},
     ("strategy", "dp"): {"name", "timeout_s", "bucket_cap_mb", "find_unused_parameters", "nproc_per_node", "max_restarts"},
     ("strategy", "ddp"): {"name", "timeout_s", "bucket_cap_mb", "find_unused_parameters", "nproc_per_node", "max_restarts"},
-    ("model", "small_cnn"): {"_target_", "channels", "dropout"},
+    ("model", "small_cnn"): {"_target_", "channels", "dropout", "norm"},
     ("model", "resnet18"): {"_target_", "small_input"},
     ("data", "digits"): {"_target_", "batch_size", "num_workers", "val_fraction", "split_seed"},
     ("data", "synthetic"): {
@@ -62,9 +65,12 @@ OPTION_KEYS = {
     },
     ("data", "imagefolder"): {"_target_", "batch_size", "num_workers", "root", "image_size"},
     ("data", "cifar10"): {"_target_", "batch_size", "num_workers", "root", "download"},
-    ("optim", "sgd"): {"_target_", "lr", "momentum", "weight_decay", "nesterov"},
-    ("optim", "adam"): {"_target_", "lr", "weight_decay"},
-    ("optim", "adamw"): {"_target_", "lr", "weight_decay"},
+    ("optim", "sgd"): {"_target_", "lr", "lr_scaling", "reference_batch_size", "momentum", "weight_decay", "nesterov"},
+    ("optim", "adam"): {"_target_", "lr", "lr_scaling", "reference_batch_size", "weight_decay"},
+    ("optim", "adamw"): {"_target_", "lr", "lr_scaling", "reference_batch_size", "weight_decay"},
+    ("scheduler", "none"): {"name", "warmup_steps", "warmup_epochs"},
+    ("scheduler", "cosine"): {"name", "warmup_steps", "warmup_epochs", "min_lr"},
+    ("scheduler", "step"): {"name", "warmup_steps", "warmup_epochs", "milestones", "gamma"},
 }
 
 OPTIMIZERS = {"sgd": torch.optim.SGD, "adam": torch.optim.Adam, "adamw": torch.optim.AdamW}
@@ -167,10 +173,10 @@ def test_optimizer_builds_from_config_and_steps(option):
     """Each optim option builds its torch.optim class with the configured hyperparameters, and can step."""
     cfg = compose_config(f"optim={option}", "model=small_cnn", "model.channels=[4]")
     model = instantiate(cfg.model, num_classes=3, in_channels=1)
-    optimizer = instantiate(cfg.optim, params=model.parameters())
+    optimizer = instantiate(optimizer_node(cfg.optim), params=model.parameters())
     assert type(optimizer) is OPTIMIZERS[option]
     group = optimizer.param_groups[0]
-    for key, value in cfg.optim.items():
+    for key, value in optimizer_node(cfg.optim).items():
         if key != "_target_":
             assert group[key] == value, key
     before = [p.detach().clone() for p in model.parameters()]

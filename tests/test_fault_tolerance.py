@@ -522,45 +522,12 @@ def test_sigterm_to_torchrun_saves_a_checkpoint_and_the_run_resumes(tmp_path):
     assert last_checkpoint(run_dir)["global_step"] == saved + 3
 
 
-def test_sigterm_to_a_single_process_exits_143_and_the_resumed_run_is_bit_identical(tmp_path):
-    """A plain `python train.py` gets SIGTERM mid-training: it saves at the next step and exits 143;
-    the relaunch with resume=auto finishes exactly as a run that was never interrupted."""
-    long_run = ["strategy=single", *DATA, "data.num_workers=2", "trainer.max_epochs=100000", "checkpoint.every_n_steps=100000"]
-    run_dir = tmp_path / "outputs" / "run"
-    log_file = run_dir / "train_rank0.log"
-    with open(tmp_path / "stdout.txt", "w") as stdout, open(tmp_path / "stderr.txt", "w") as stderr:
-        process = subprocess.Popen([sys.executable, str(TRAIN), *long_run, "hydra.run.dir=outputs/run"], cwd=tmp_path,
-                                   env=_clean_env(), stdout=stdout, stderr=stderr, start_new_session=True)
-        try:
-            deadline = time.monotonic() + 90
-            while not (log_file.exists() and "global_batch=" in log_file.read_text()):
-                assert process.poll() is None and time.monotonic() < deadline, "training never started"
-                time.sleep(0.1)
-            time.sleep(1)
-            process.send_signal(signal.SIGTERM)
-            returncode = process.wait(timeout=60)
-        finally:
-            if process.poll() is None:
-                os.killpg(process.pid, signal.SIGKILL)
-                process.wait()
-    logs = (tmp_path / "stdout.txt").read_text() + (tmp_path / "stderr.txt").read_text()
-    assert returncode == 143, logs[-6000:]
-    saved = last_checkpoint(run_dir)["global_step"]
-    assert f"stopped by SIGTERM at step {saved}" in rank_log(run_dir, 0)
-    assert "Traceback" not in logs, logs[-6000:]
-
-    finish = f"trainer.max_steps={saved + 5}"
-    check(launch([*long_run, finish, "hydra.run.dir=outputs/run", "resume=auto"], tmp_path))
-    check(launch([*long_run, finish, "hydra.run.dir=outputs/reference"], tmp_path))
-    assert_bit_identical(last_checkpoint(run_dir), last_checkpoint(tmp_path / "outputs" / "reference"))
-
-
 def test_sigterm_to_the_rank_process_group_never_kills_loader_workers():
     """torchrun signals a rank's whole process group. The signal may land while the rank is starting
     its loader workers (every epoch); the rank must still be the one that decides when to stop."""
     script = REPO / "tests" / "workers" / "loader_under_sigterm.py"
     rng = random.Random(0)
-    for trial in range(6):
+    for trial in range(4):
         rank = subprocess.Popen([sys.executable, str(script)], cwd=REPO, env=_clean_env() | {"PYTHONPATH": str(REPO)},
                                 stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True)
         assert rank.stdout.readline().strip() == "ready"
@@ -568,6 +535,7 @@ def test_sigterm_to_the_rank_process_group_never_kills_loader_workers():
         os.killpg(rank.pid, signal.SIGTERM)
         stdout, stderr = rank.communicate(timeout=60)
         assert rank.returncode == 0 and "stopped cleanly" in stdout, f"trial {trial}: {stderr[-2000:]}"
+
 
 
 # 12 --------------------------------------------------------------------------------------------

@@ -1,5 +1,6 @@
 """Ctrl-C as a terminal sends it: SIGINT to the whole process group of the command, under every
-launcher. The first one saves at the next step and prints how to continue; the second exits at once."""
+launcher. The first one saves at the next step and prints how to continue; the second exits at once.
+(SIGTERM to plain python: tests/test_run_dirs.py; to torchrun: tests/test_fault_tolerance.py.)"""
 
 import csv
 import os
@@ -44,10 +45,9 @@ def wait_for_training(process: subprocess.Popen, cwd) -> None:
     time.sleep(1)
 
 
-def ctrl_c(process: subprocess.Popen, times: int = 1) -> None:
-    for _ in range(times):
-        os.killpg(process.pid, signal.SIGINT)
-        time.sleep(0.05)
+def ctrl_c(process: subprocess.Popen) -> None:
+    """As a terminal sends it: to the whole process group."""
+    os.killpg(process.pid, signal.SIGINT)
 
 
 def finish(process: subprocess.Popen, cwd) -> tuple[int, str, str]:
@@ -95,17 +95,33 @@ def test_ctrl_c_saves_at_the_next_step_and_the_printed_command_finishes_bit_iden
 
 
 def test_a_second_ctrl_c_exits_at_once_and_the_saved_checkpoint_still_loads(tmp_path):
-    process = start([*LAUNCHERS["python"], *LONG], tmp_path)
-    wait_for_training(process, tmp_path)
-    started = time.monotonic()
-    ctrl_c(process, times=2)
-    returncode, stdout, stderr = finish(process, tmp_path)
-    assert returncode == 130, stdout + stderr
-    assert time.monotonic() - started < 15
-    assert re.search(r"^error: interrupted again: exiting at once", stderr, re.MULTILINE), stderr
-    assert "Traceback" not in stdout + stderr
-    (run_dir,) = run_dirs(tmp_path)
-    assert load_checkpoint(run_dir / "checkpoints" / "last.pt")["global_step"] > 0
+    # A tiny run may finish its step, save and exit before a second Ctrl-C a few ms later reaches it
+    # (or the two may arrive as one): that is the first Ctrl-C's path, checked as such; try again.
+    for attempt in range(3):
+        cwd = tmp_path / str(attempt)
+        cwd.mkdir()
+        process = start([*LAUNCHERS["python"], *LONG], cwd)
+        wait_for_training(process, cwd)
+        deadline = time.monotonic() + 60
+        while not list(cwd.glob("outputs/*/checkpoints/last.pt")):  # a periodic checkpoint to keep intact
+            assert process.poll() is None and time.monotonic() < deadline, "no checkpoint was saved"
+            time.sleep(0.1)
+        started = time.monotonic()
+        ctrl_c(process)
+        time.sleep(0.002)
+        ctrl_c(process)
+        returncode, stdout, stderr = finish(process, cwd)
+        assert returncode == 130, stdout + stderr
+        assert "Traceback" not in stdout + stderr
+        (run_dir,) = run_dirs(cwd)
+        if "checkpoint saved: continue with" in stdout + stderr:
+            assert "interrupted again" not in stderr, stdout + stderr
+            continue
+        assert time.monotonic() - started < 15
+        assert re.search(r"^error: interrupted again: exiting at once", stderr, re.MULTILINE), stderr
+        assert load_checkpoint(run_dir / "checkpoints" / "last.pt")["global_step"] > 0
+        return
+    pytest.fail("in 3 attempts, every run had saved and exited before its second Ctrl-C")
 
 
 def test_ctrl_c_in_a_sweep_marks_the_job_interrupted_and_starts_no_other(tmp_path):

@@ -67,10 +67,10 @@ def session_hparams(job_dir: Path) -> dict:
 
 
 def rank_log_line(job_dir: Path, rank: int) -> dict:
-    """The run-start line of one rank's log: strategy=ddp world_size=2 ... batch_size=B global_batch=G lr=L."""
+    """The run-start line of one rank's log: strategy=ddp world_size=2 ... batch_size=B accumulate=A global_batch=G lr=L."""
     text = (job_dir / f"train_rank{rank}.log").read_text()
     (match,) = re.finditer(r"\[rank (\d+)\]\[train\]\[INFO\] strategy=(\S+) world_size=(\d+) device=\S+ "
-                           r"batch_size=(\d+) global_batch=(\d+) lr=(\S+) ", text)
+                           r"batch_size=(\d+) accumulate=1 global_batch=(\d+) lr=(\S+) ", text)
     logged_rank, strategy, world_size, batch_size, global_batch, lr = match.groups()
     assert int(logged_rank) == rank
     return {"strategy": strategy, "world_size": int(world_size), "batch_size": int(batch_size),

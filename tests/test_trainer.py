@@ -14,10 +14,12 @@ from models.resnet import build_resnet18
 from test_config_groups import write_imagefolder
 
 # 4 epochs of 3 batches (limit_train_batches), validation on 2 batches of 8 after epochs 3 and 4,
-# a checkpoint every 2 steps of which 2 are kept, and every step in the warm-up.
+# a checkpoint every 2 steps of which 2 are kept, every step in the warm-up, and the LR scaled by
+# sqrt(global batch 8 / 32).
 KNOBS = ["strategy=single", "syncbn=true", *TINY, "trainer.max_epochs=4", "trainer.limit_train_batches=3",
          "trainer.limit_val_batches=2", "trainer.val_every_n_epochs=3", "trainer.log_every_n_steps=1",
-         "trainer.warmup_steps=12", "checkpoint.every_n_steps=2", "checkpoint.keep_last=2"]
+         "trainer.warmup_steps=12", "checkpoint.every_n_steps=2", "checkpoint.keep_last=2", "optim.lr_scaling=sqrt",
+         "optim.reference_batch_size=32"]
 
 
 def scalars(run_dir, tag: str) -> list:
@@ -54,6 +56,14 @@ def test_warmup_steps_are_left_out_of_samples_per_s(knobs_run):
     """All 12 steps are warm-up: no steady-state throughput to report, rather than a made-up one."""
     results = load_results(knobs_run[0].parents[1])
     assert results["samples_per_s"] is None
+
+
+def test_lr_scaling_sets_the_lr_that_is_used_logged_and_reported(knobs_run):
+    run_dir, result = knobs_run
+    assert load_results(run_dir.parents[1])["lr"] == pytest.approx(0.025)  # 0.05 * sqrt(8 / 32)
+    assert " lr=0.025 " in result.stdout
+    assert [e.value for e in scalars(run_dir, "train/lr")] == pytest.approx([0.025] * 12)
+    assert load_last(run_dir.parents[1])["optimizer"]["param_groups"][0]["lr"] == pytest.approx(0.025)
 
 
 def test_syncbn_with_one_process_warns_that_it_changes_nothing(knobs_run):

@@ -2,6 +2,7 @@
 
 - `syncs_rank<R>.json`: every collective and every tensor-to-host read (`.item()`, `.tolist()`), tagged
   with the number of optimizer steps done when it happened (a global optimizer-step hook counts them);
+- `no_sync_rank<R>.txt`: how many times DDP's no_sync() was entered (gradient accumulation);
 - `state_rank<R>.pt`: the bare model's state_dict as this rank ends training (taken where train.py
   checks its replicas), and `nudged_rank<R>.txt`: what that check answers for a copy in which rank 1's
   first weight differs by one ulp.
@@ -16,6 +17,7 @@ from pathlib import Path
 
 import torch
 import torch.distributed as dist
+from torch.nn.parallel import DistributedDataParallel
 from torch.optim.optimizer import register_optimizer_step_post_hook
 
 TRAIN = Path(__file__).resolve().parents[2] / "train.py"
@@ -45,6 +47,16 @@ for name in ("all_reduce", "broadcast", "all_gather", "all_gather_object", "all_
 for name in ("item", "tolist"):
     setattr(torch.Tensor, name, _recorded(name, getattr(torch.Tensor, name)))
 register_optimizer_step_post_hook(_count_steps)
+no_sync_calls = [0]
+real_no_sync = DistributedDataParallel.no_sync
+
+
+def counted_no_sync(self):
+    no_sync_calls[0] += 1
+    return real_no_sync(self)
+
+
+DistributedDataParallel.no_sync = counted_no_sync
 
 real_check = ddp.process_group.replicas_identical
 
@@ -54,8 +66,9 @@ def watched_check(module, include_buffers):
     nudged = copy.deepcopy(module)
     if RANK == 1:
         with torch.no_grad():
-            weight = next(nudged.parameters()).view(-1)
-            weight[0] = torch.nextafter(weight[0], torch.tensor(float("inf")))
+            weight = next(nudged.parameters())
+            first = (0,) * weight.dim()
+            weight[first] = torch.nextafter(weight[first], torch.tensor(float("inf")))
     (WATCH_DIR / f"nudged_rank{RANK}.txt").write_text(str(real_check(nudged, include_buffers)))
     return real_check(module, include_buffers)
 
@@ -67,3 +80,4 @@ try:
     runpy.run_path(str(TRAIN), run_name="__main__")
 finally:
     (WATCH_DIR / f"syncs_rank{RANK}.json").write_text(json.dumps(events))
+    (WATCH_DIR / f"no_sync_rank{RANK}.txt").write_text(str(no_sync_calls[0]))

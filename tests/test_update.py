@@ -1,0 +1,119 @@
+"""The update step on its own, without a process group: mixed precision really on, accumulation
+equal to a bigger batch, the schedule's shape and pace, and what a checkpoint of it holds."""
+
+import copy
+import math
+
+import pytest
+import torch
+from omegaconf import OmegaConf
+from torch import nn
+
+from ddp.update import UpdateStep, build_ema, build_scheduler
+from models.small_cnn import SmallCNN
+
+
+def small_model(norm: str = "batch") -> nn.Module:
+    torch.manual_seed(0)
+    return SmallCNN(num_classes=10, in_channels=3, channels=[8, 16], norm=norm)
+
+
+def batch(size: int = 16):
+    generator = torch.Generator().manual_seed(1)
+    return torch.randn(size, 3, 8, 8, generator=generator), torch.randint(10, (size,), generator=generator)
+
+
+@pytest.mark.parametrize("precision, dtype", [("32", torch.float32), ("bf16", torch.bfloat16), ("16", torch.float16)])
+def test_autocast_is_really_on(precision, dtype):
+    """torch only warns, and turns autocast off, for a dtype the device can't do: look inside the forward."""
+    model = small_model()
+    seen = []
+    model.features[0].register_forward_hook(lambda module, inputs, output: seen.append(output.dtype))
+    update = UpdateStep(model, torch.optim.SGD(model.parameters(), lr=0.1), device=torch.device("cpu"), precision=precision)
+    update.micro_step(*batch(), micro_index=0, group_size=1)
+    assert seen == [dtype]
+    assert (update.scaler is not None) == (precision == "16")  # bf16 needs no GradScaler
+    assert all(p.dtype == torch.float32 for p in model.parameters())  # weights stay fp32
+
+
+def test_two_accumulated_halves_equal_one_whole_batch():
+    """GroupNorm has per-sample statistics, so micro-batching changes nothing but float summation order."""
+    images, labels = batch(32)
+    whole, halves = small_model("group"), small_model("group")
+    for model, groups in ((whole, [(images, labels)]), (halves, [(images[:16], labels[:16]), (images[16:], labels[16:])])):
+        update = UpdateStep(model, torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9), device=torch.device("cpu"),
+                            precision="32")
+        for _ in range(3):
+            for index, (x, y) in enumerate(groups):
+                update.micro_step(x, y, micro_index=index, group_size=len(groups))
+    for (name, a), b in zip(whole.state_dict().items(), halves.state_dict().values()):
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6, msg=lambda m, name=name: f"{name}: {m}")
+
+
+def test_updates_happen_once_per_group_and_the_schedule_steps_with_them():
+    model = small_model()
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    scheduler = build_scheduler(OmegaConf.create({"name": "cosine", "warmup_steps": 2, "warmup_epochs": 0, "min_lr": 0.0}),
+                                optimizer, total_updates=10, updates_per_epoch=10)
+    ema = build_ema(model, 0.9)
+    update = UpdateStep(model, optimizer, device=torch.device("cpu"), precision="32", scheduler=scheduler, ema=ema)
+    before = copy.deepcopy(model.state_dict())
+    images, labels = batch()
+    for micro in range(3):
+        update.micro_step(images, labels, micro_index=micro, group_size=3)
+        changed = any(not torch.equal(before[k], v) for k, v in model.state_dict().items() if "running" not in k
+                      and "num_batches" not in k)
+        assert changed == (micro == 2), micro  # weights move only after the group's last micro-batch
+    assert scheduler.last_epoch == 1 and int(ema.n_averaged) == 1
+
+
+def test_a_step_the_fp16_scaler_skips_still_advances_the_schedule_and_is_no_divergence():
+    """An overflowing scale (as while the scaler calibrates) makes inf gradients: the scaler skips the
+    optimizer step and halves its scale, the schedule moves on (the LR is a function of the update
+    count), and the finite check passes, since the loss itself was finite."""
+    model = small_model()
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    scheduler = build_scheduler(OmegaConf.create({"name": "cosine", "warmup_steps": 2, "warmup_epochs": 0, "min_lr": 0.0}),
+                                optimizer, total_updates=10, updates_per_epoch=10)
+    update = UpdateStep(model, optimizer, device=torch.device("cpu"), precision="16", scheduler=scheduler)
+    update.scaler = torch.amp.GradScaler("cpu", init_scale=2.0**100)
+    before = copy.deepcopy(model.state_dict())
+    update.micro_step(*batch(), micro_index=0, group_size=1)
+    assert all(torch.equal(before[k], v) for k, v in model.state_dict().items() if "running" not in k and "num_batches" not in k)
+    assert update.scaler.get_scale() == 2.0**99 and scheduler.last_epoch == 1
+    update.check_finite(step=1)
+
+
+def cosine_with_warmup(step: int, base: float, warmup: int, total: int, min_lr: float) -> float:
+    """The LR of update `step` (0-based), written out: (step + 1) / warmup, then half a cosine."""
+    if step < warmup:
+        return base * (step + 1) / warmup
+    progress = (step - warmup) / (total - warmup)
+    return min_lr + (base - min_lr) * (1 + math.cos(math.pi * progress)) / 2
+
+
+@pytest.mark.parametrize("warmup", [0, 1, 5])
+def test_cosine_schedule_follows_its_formula_and_never_starts_at_zero(warmup):
+    optimizer = torch.optim.SGD([nn.Parameter(torch.zeros(1))], lr=0.4)
+    cfg = OmegaConf.create({"name": "cosine", "warmup_steps": warmup, "warmup_epochs": 0, "min_lr": 0.01})
+    scheduler = build_scheduler(cfg, optimizer, total_updates=20, updates_per_epoch=10)
+    lrs = []
+    for _ in range(20):
+        lrs.append(optimizer.param_groups[0]["lr"])
+        optimizer.step()
+        scheduler.step()
+    assert lrs[0] > 0
+    expected = [cosine_with_warmup(step, 0.4, warmup, 20, 0.01) for step in range(20)]
+    assert lrs == pytest.approx(expected, rel=1e-6)
+
+
+def test_step_schedule_decays_at_its_milestone_epochs_after_warmup():
+    optimizer = torch.optim.SGD([nn.Parameter(torch.zeros(1))], lr=1.0)
+    cfg = OmegaConf.create({"name": "step", "warmup_steps": 2, "warmup_epochs": 0, "milestones": [2, 3], "gamma": 0.5})
+    scheduler = build_scheduler(cfg, optimizer, total_updates=16, updates_per_epoch=4)
+    lrs = []
+    for _ in range(16):
+        lrs.append(optimizer.param_groups[0]["lr"])
+        optimizer.step()
+        scheduler.step()
+    assert lrs == pytest.approx([0.5, 1, 1, 1, 1, 1, 1, 1, 0.5, 0.5, 0.5, 0.5, 0.25, 0.25, 0.25, 0.25])
