@@ -33,7 +33,7 @@ from ddp.config import ConfigError, check_model_accepts, instantiate_checked, op
 from ddp.env import DistEnv, select_device
 from ddp.faults import inject_fault
 from ddp.launch import launch_workers
-from ddp.loaders import build_train_loader, build_val_loader, iterate_from, start_epoch
+from ddp.loaders import build_train_loader, build_val_loader, iterate_from, start_epoch, start_worker_server
 from ddp.meter import ThroughputMeter, peak_memory, reset_peak_memory
 from ddp.preemption import Interrupted, StopOnSignal, resume_command
 from ddp.process_group import (
@@ -160,6 +160,7 @@ def run(cfg: DictConfig, run_dir: Path, relaunch: str) -> dict:
     # data and model: identical on every rank (same seed)
     torch.manual_seed(cfg.seed)
     splits = build_datasets(cfg.data)
+    start_worker_server(splits.train, cfg.data.num_workers)  # DataLoader workers' (see ddp/loaders.py)
     length = TrainingLength.of(cfg.trainer, len(splits.train), cfg.data.batch_size, env.world_size)
     check_schedule(cfg.scheduler, length.total_updates, length.updates_per_epoch)
     model = instantiate_checked(cfg.model, "model", num_classes=splits.num_classes, in_channels=splits.in_channels)

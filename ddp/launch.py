@@ -58,10 +58,6 @@ def _worker(run: Callable, container: dict, run_dir: str, relaunch: str, job_nam
     # Out of the launcher's process group: a Ctrl-C in the terminal reaches the launcher alone,
     # which passes it on once (a worker hit twice would exit without saving).
     os.setpgid(0, 0)
-    # Started with spawn, this process would spawn its DataLoader workers too, each re-importing
-    # everything at every epoch; start them as a torchrun worker does.
-    if "fork" in multiprocessing.get_all_start_methods():
-        multiprocessing.set_start_method("fork", force=True)
     rank = int(os.environ["RANK"])
     logging.basicConfig(
         level=logging.INFO,

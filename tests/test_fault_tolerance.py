@@ -538,6 +538,21 @@ def test_sigterm_to_the_rank_process_group_never_kills_loader_workers():
 
 
 
+def test_a_rank_killed_hard_leaves_no_loader_process_behind():
+    """Loader workers (and the fork server that starts them) hold the rank's stdout: it reaches EOF
+    only when every one of them has exited too."""
+    script = REPO / "tests" / "workers" / "loader_under_sigterm.py"
+    rank = subprocess.Popen([sys.executable, str(script)], cwd=REPO, env=_clean_env() | {"PYTHONPATH": str(REPO)},
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True)
+    assert rank.stdout.readline().strip() == "ready"
+    time.sleep(1)  # workers of some epoch are running
+    rank.kill()
+    try:
+        rank.communicate(timeout=30)
+    except subprocess.TimeoutExpired:
+        os.killpg(rank.pid, signal.SIGKILL)  # the server, if it is left
+        raise
+
 # 12 --------------------------------------------------------------------------------------------
 
 def test_resume_from_a_missing_path_starts_nothing(tmp_path):

@@ -92,28 +92,26 @@ def cosine_with_warmup(step: int, base: float, warmup: int, total: int, min_lr: 
     return min_lr + (base - min_lr) * (1 + math.cos(math.pi * progress)) / 2
 
 
-@pytest.mark.parametrize("warmup", [0, 1, 5])
-def test_cosine_schedule_follows_its_formula_and_never_starts_at_zero(warmup):
-    optimizer = torch.optim.SGD([nn.Parameter(torch.zeros(1))], lr=0.4)
-    cfg = OmegaConf.create({"name": "cosine", "warmup_steps": warmup, "warmup_epochs": 0, "min_lr": 0.01})
-    scheduler = build_scheduler(cfg, optimizer, total_updates=20, updates_per_epoch=10)
+def lrs_of(scheduler_cfg: dict, base_lr: float, total_updates: int, updates_per_epoch: int) -> list[float]:
+    """The LR of every update of a run with that schedule."""
+    optimizer = torch.optim.SGD([nn.Parameter(torch.zeros(1))], lr=base_lr)
+    scheduler = build_scheduler(OmegaConf.create(scheduler_cfg), optimizer, total_updates, updates_per_epoch)
     lrs = []
-    for _ in range(20):
+    for _ in range(total_updates):
         lrs.append(optimizer.param_groups[0]["lr"])
         optimizer.step()
         scheduler.step()
+    return lrs
+
+
+@pytest.mark.parametrize("warmup", [0, 1, 5])
+def test_cosine_schedule_follows_its_formula_and_never_starts_at_zero(warmup):
+    lrs = lrs_of({"name": "cosine", "warmup_steps": warmup, "warmup_epochs": 0, "min_lr": 0.01}, 0.4, 20, 10)
     assert lrs[0] > 0
     expected = [cosine_with_warmup(step, 0.4, warmup, 20, 0.01) for step in range(20)]
     assert lrs == pytest.approx(expected, rel=1e-6)
 
 
 def test_step_schedule_decays_at_its_milestone_epochs_after_warmup():
-    optimizer = torch.optim.SGD([nn.Parameter(torch.zeros(1))], lr=1.0)
-    cfg = OmegaConf.create({"name": "step", "warmup_steps": 2, "warmup_epochs": 0, "milestones": [2, 3], "gamma": 0.5})
-    scheduler = build_scheduler(cfg, optimizer, total_updates=16, updates_per_epoch=4)
-    lrs = []
-    for _ in range(16):
-        lrs.append(optimizer.param_groups[0]["lr"])
-        optimizer.step()
-        scheduler.step()
+    lrs = lrs_of({"name": "step", "warmup_steps": 2, "warmup_epochs": 0, "milestones": [2, 3], "gamma": 0.5}, 1.0, 16, 4)
     assert lrs == pytest.approx([0.5, 1, 1, 1, 1, 1, 1, 1, 0.5, 0.5, 0.5, 0.5, 0.25, 0.25, 0.25, 0.25])

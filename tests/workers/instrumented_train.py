@@ -75,9 +75,10 @@ def watched_check(module, include_buffers):
 
 # train.py imports the check by name when it runs, so it gets the watched one.
 ddp.process_group.replicas_identical = watched_check
-sys.argv[0] = str(TRAIN)
-try:
-    runpy.run_path(str(TRAIN), run_name="__main__")
-finally:
-    (WATCH_DIR / f"syncs_rank{RANK}.json").write_text(json.dumps(events))
-    (WATCH_DIR / f"no_sync_rank{RANK}.txt").write_text(str(no_sync_calls[0]))
+if __name__ == "__main__":  # not when DataLoader workers' start-up imports this module
+    sys.argv[0] = str(TRAIN)
+    try:
+        runpy.run_path(str(TRAIN), run_name="__main__")
+    finally:
+        (WATCH_DIR / f"syncs_rank{RANK}.json").write_text(json.dumps(events))
+        (WATCH_DIR / f"no_sync_rank{RANK}.txt").write_text(str(no_sync_calls[0]))
