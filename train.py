@@ -160,13 +160,13 @@ def run(cfg: DictConfig, run_dir: Path, relaunch: str) -> dict:
     # data and model: identical on every rank (same seed)
     torch.manual_seed(cfg.seed)
     splits = build_datasets(cfg.data)
-    start_worker_server(splits.train, cfg.data.num_workers)  # DataLoader workers' (see ddp/loaders.py)
     length = TrainingLength.of(cfg.trainer, len(splits.train), cfg.data.batch_size, env.world_size)
     check_schedule(cfg.scheduler, length.total_updates, length.updates_per_epoch)
     model = instantiate_checked(cfg.model, "model", num_classes=splits.num_classes, in_channels=splits.in_channels)
     check_model_accepts(model, splits.val[0][0])
     # the real optimizer needs the wrapped model; build one on a dummy now to reject bad settings early
     instantiate_checked(optimizer_node(cfg.optim), "optim", params=[torch.zeros(1, requires_grad=True)])
+    start_worker_server(splits.train, cfg.data.num_workers)  # for DataLoader workers, while the rank sets up (ddp/loaders.py)
 
     # resume: weights load before wrapping, so DDP starts every rank from them
     restarted = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")) > 0

@@ -44,6 +44,9 @@ EXACT = ["strategy=ddp", *DATA, "data.num_workers=2", "trainer.max_epochs=2", "t
 # One process, for the runs that must stop before training: no torchrun start-up to pay for.
 SINGLE = ["strategy=single", *DATA, "trainer.max_epochs=1"]
 # What must be equal after a resume; `config` differs by the fault.*/resume keys.
+# A job that failed fast ends well within this; one waiting for the process group's default timeout
+# (strategy.timeout_s=1800) would not. Generous, so that a loaded machine doesn't fail the test.
+NO_HANG_S = 300
 STATE_KEYS = ("model", "optimizer", "epoch", "batch_in_epoch", "global_step", "tensorboard_step", "world_size", "ranks")
 
 
@@ -188,12 +191,9 @@ def test_exhausted_restart_budget_fails_and_keeps_the_last_checkpoint(tmp_path):
     (No DataLoader workers here: a killed rank's orphaned workers keep its sockets open until their
     parent-watchdog notices, up to 5 s per attempt, which only slows this test down.)"""
     args = [arg for arg in EXACT if not arg.startswith("data.num_workers=")] + ["data.num_workers=0"]
-    started = time.monotonic()
     result = torchrun([*args, "fault.kill_rank=1", "fault.at_step=7", "fault.every_attempt=true"], tmp_path,
-                      max_restarts=1, timeout=120)
-    elapsed = time.monotonic() - started
+                      max_restarts=1, timeout=NO_HANG_S)
     assert result.returncode != 0, output(result)
-    assert elapsed < 60, f"{elapsed:.0f} s"
     run_dir = the_run_dir(tmp_path)
     assert rank_log(run_dir, 1).count("killing this rank at step 7") == 2  # both attempts died
     directory = run_dir / "checkpoints"
@@ -341,11 +341,8 @@ def test_corrupt_last_checkpoint_falls_back_to_an_older_one(reference, tmp_path)
 # 6 ---------------------------------------------------------------------------------------------
 
 def test_raising_rank_fails_the_job_fast_and_torchrun_names_it(tmp_path):
-    started = time.monotonic()
-    result = torchrun([*EXACT, "fault.raise_rank=1", "fault.at_step=3"], tmp_path, timeout=120)
-    elapsed = time.monotonic() - started
+    result = torchrun([*EXACT, "fault.raise_rank=1", "fault.at_step=3"], tmp_path, timeout=NO_HANG_S)
     assert result.returncode != 0, output(result)
-    assert elapsed < 30, f"{elapsed:.0f} s"
     assert "Root Cause" in result.stderr, output(result)
     root_cause = result.stderr.split("Root Cause", 1)[1].split("=" * 20, 1)[0]
     assert re.search(r"rank\s*:\s*1 \(local_rank: 1\)", root_cause), root_cause
@@ -355,12 +352,9 @@ def test_raising_rank_fails_the_job_fast_and_torchrun_names_it(tmp_path):
 # 7 ---------------------------------------------------------------------------------------------
 
 def test_stalled_rank_fails_the_job_after_the_process_group_timeout(tmp_path):
-    started = time.monotonic()
-    result = torchrun([*EXACT, "fault.stall_rank=1", "fault.at_step=3", "strategy.timeout_s=5"], tmp_path, timeout=120)
-    elapsed = time.monotonic() - started
+    result = torchrun([*EXACT, "fault.stall_rank=1", "fault.at_step=3", "strategy.timeout_s=5"], tmp_path, timeout=NO_HANG_S)
     assert result.returncode != 0, output(result)
     assert "a collective timed out after strategy.timeout_s=5" in result.stderr, output(result)
-    assert elapsed < 60, f"{elapsed:.0f} s"
 
 
 # 8 ---------------------------------------------------------------------------------------------
