@@ -1,7 +1,9 @@
 """SIGTERM (preemption, torchrun stopping its workers) and Ctrl-C (SIGINT): finish the step, save,
 then exit with 128 + the signal number (143, 130). A second Ctrl-C exits at once."""
 
+import contextlib
 import logging
+import multiprocessing
 import os
 import shlex
 import signal
@@ -68,7 +70,7 @@ class StopOnSignal:
             else:
                 message = f"interrupted again: exiting at once (the checkpoint of step {self.saved_step} is saved)"
             os.write(2, f"error: {message}\n".encode())
-            os._exit(128 + signal.SIGINT)
+            _exit_now(128 + signal.SIGINT)
         if not self.received:
             self.received = signum
             self.deadline = threading.Timer(STEP_BOUNDARY_GRACE_S, self._give_up)
@@ -79,7 +81,7 @@ class StopOnSignal:
         log.error("%s: no step boundary within %.0f s, exiting without a checkpoint",
                   signal.Signals(self.received).name, STEP_BOUNDARY_GRACE_S)
         logging.shutdown()
-        os._exit(128 + self.received)
+        _exit_now(128 + self.received)
 
     def stop_now(self, step: int, epoch_ends: bool, device: torch.device) -> int:
         """The stop signal's number on every rank at the first check after any rank got one (all stop
@@ -95,6 +97,14 @@ class StopOnSignal:
             self.deadline.cancel()  # at the boundary now: the save may take what time is left
         return stop
 
+
+def _exit_now(code: int) -> None:
+    """Exit without any cleanup, and take this process's children (DataLoader workers) along: left
+    alone, a worker would print tracebacks of the connections to it that the exit cuts."""
+    for child in multiprocessing.active_children():
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(child.pid, signal.SIGKILL)
+    os._exit(code)
 
 def resume_command(script: str, overrides: list[str], nproc_per_node: int | None, run_dir: Path) -> str:
     """The command that continues this run where its last checkpoint left it: the same launcher
