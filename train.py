@@ -352,12 +352,12 @@ def fit(cfg: DictConfig, env: DistEnv, device: torch.device, gpus: list[int], me
         log.warning("the ranks' model replicas differ at the end of training: some code path depends on the rank")
     if env.is_main:
         write_json(results, run_dir / "results.json")
-    writer.add_hparams(hparams_of(cfg, length, lr), {f"hparam/{k}": v for k, v in metrics.items()}, position.global_step)
+    writer.add_hparams(hparams_of(cfg, length, lr, world_size), {f"hparam/{k}": v for k, v in metrics.items()}, position.global_step)
     writer.close()
     return results
 
 
-def hparams_of(cfg: DictConfig, length: TrainingLength, lr: float) -> dict:
+def hparams_of(cfg: DictConfig, length: TrainingLength, lr: float, world_size: int) -> dict:
     return {
         "strategy": cfg.strategy.name,
         "model": cfg.model._target_.rsplit(".", 1)[-1],
@@ -369,7 +369,7 @@ def hparams_of(cfg: DictConfig, length: TrainingLength, lr: float) -> dict:
         "batch_size": cfg.data.batch_size,
         "accumulate_grad_batches": length.accumulate,
         "global_batch_size": length.global_batch,
-        "world_size": length.global_batch // (cfg.data.batch_size * length.accumulate),
+        "world_size": world_size,
         "syncbn": cfg.syncbn,
         "ema_decay": cfg.ema.decay if cfg.ema.decay is not None else 0.0,
         "seed": cfg.seed,
