@@ -29,11 +29,11 @@ train: install ## Train the default run (small_cnn on digits, one device); print
 test: install ## Run the whole test suite (CPU, gloo, real torchrun processes), two test processes at a time
 	$(PY) -m pytest -q -n 2
 
-smoke-test: install ## Four short CPU runs: single, dp, torchrun ddp with SyncBN, and the bf16/accumulation/cosine/EMA recipe
+smoke-test: install ## Four short CPU runs: single, dp, torchrun ddp with SyncBN, and the bf16/accumulation/cosine/EMA/MixUp recipe
 	$(PY) train.py strategy=single $(SMOKE)
 	$(PY) train.py strategy=dp $(SMOKE)
 	$(TORCHRUN) --nproc_per_node=2 train.py strategy=ddp syncbn=true $(SMOKE)
-	$(TORCHRUN) --nproc_per_node=2 train.py strategy=ddp precision=bf16 trainer.accumulate_grad_batches=2 scheduler=cosine scheduler.warmup_steps=1 ema.decay=0.9 $(SMOKE)
+	$(TORCHRUN) --nproc_per_node=2 train.py strategy=ddp precision=bf16 trainer.accumulate_grad_batches=2 scheduler=cosine scheduler.warmup_steps=1 ema.decay=0.9 trainer.label_smoothing=0.1 data.mixup_alpha=0.2 $(SMOKE)
 
 gpu-check: ## The CUDA paths in one short run on one GPU; without one it says so (any Python with torch: PY=python3)
 	$(PY) tests/gpu/gpu_check.py

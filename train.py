@@ -3,6 +3,7 @@
     python train.py                                            # strategy=single
     python train.py strategy=dp                                # DataParallel over visible GPUs
     torchrun --nproc_per_node=2 train.py strategy=ddp syncbn=true
+    python train.py mode=eval resume=<checkpoint or run dir>   # evaluate a checkpoint, train nothing
 """
 
 import contextlib
@@ -28,6 +29,7 @@ from torch.distributed.elastic.multiprocessing.errors import record
 from tqdm import tqdm
 
 from data import build_datasets
+from data.mix import build_batch_mix
 from ddp.checkpoint import save_step_checkpoint
 from ddp.config import ConfigError, check_model_accepts, instantiate_checked, optimizer_node, register_configs, validate
 from ddp.env import DistEnv, select_device
@@ -60,6 +62,7 @@ from ddp.sweep_summary import record_failed_job
 from ddp.syncbn import convert_syncbn
 from ddp.update import Diverged, UpdateStep, build_ema, build_scheduler, check_schedule, scaled_lr
 from ddp.wrap import process_gpus, seed_dataparallel_replicas, wrap_model
+from models import build_model
 
 log = logging.getLogger("train")
 
@@ -117,6 +120,15 @@ def evaluate(model, loader, device, limit_batches: int) -> dict[str, float]:
     return {"val_loss": loss_sum / count, "val_accuracy": correct / count, "val_samples": int(count)}
 
 
+def evaluate_with_ema(model, ema, loader, device, limit_batches: int) -> dict[str, float]:
+    """`evaluate`, and the EMA weights' loss and accuracy too when there are any."""
+    metrics = evaluate(model, loader, device, limit_batches)
+    if ema is not None:
+        ema_metrics = evaluate(ema.module, loader, device, limit_batches)
+        metrics |= {"val_ema_loss": ema_metrics["val_loss"], "val_ema_accuracy": ema_metrics["val_accuracy"]}
+    return metrics
+
+
 @dataclass(frozen=True)
 class TrainingLength:
     """How long the run is, in the units the loop counts."""
@@ -160,9 +172,11 @@ def run(cfg: DictConfig, run_dir: Path, relaunch: str) -> dict:
     # data and model: identical on every rank (same seed)
     torch.manual_seed(cfg.seed)
     splits = build_datasets(cfg.data)
+    if cfg.mode == "eval":
+        return evaluate_checkpoint(cfg, env, backend, device, splits, run_dir)
     length = TrainingLength.of(cfg.trainer, len(splits.train), cfg.data.batch_size, env.world_size)
     check_schedule(cfg.scheduler, length.total_updates, length.updates_per_epoch)
-    model = instantiate_checked(cfg.model, "model", num_classes=splits.num_classes, in_channels=splits.in_channels)
+    model = build_model(cfg.model, splits.num_classes, splits.in_channels)
     check_model_accepts(model, splits.val[0][0])
     # the real optimizer needs the wrapped model; build one on a dummy now to reject bad settings early
     instantiate_checked(optimizer_node(cfg.optim), "optim", params=[torch.zeros(1, requires_grad=True)])
@@ -177,6 +191,47 @@ def run(cfg: DictConfig, run_dir: Path, relaunch: str) -> dict:
 
     with process_group(backend, env, device, cfg.strategy.timeout_s) if distributed else contextlib.nullcontext():
         return fit(cfg, env, device, gpus, memory_reset, splits, length, model, resumed, run_dir, relaunch)
+
+
+@record
+def evaluate_checkpoint(cfg: DictConfig, env: DistEnv, backend: str, device: torch.device, splits, run_dir: Path) -> dict:
+    """mode=eval: the exact metrics of a checkpoint (and of its EMA weights, if any) on data.split, on
+    any strategy and world size; written to run_dir/eval.json. Trains nothing and saves no checkpoint.
+    The model is built as the checkpoint's config says, so model.* needn't be repeated."""
+    split = cfg.data.split
+    dataset = splits.test if split == "test" else splits.val
+    if dataset is None:
+        raise ConfigError(f"data.split=test: this dataset ({cfg.data._target_}) has no test split; use data.split=val")
+    path, checkpoint = find_resume_checkpoint(cfg.resume, run_dir, restarted=False)
+    model = build_model({**checkpoint["config"]["model"], "weights_path": None}, splits.num_classes, splits.in_channels)
+    check_model_accepts(model, dataset[0][0])
+    load_model_state(model, checkpoint["model"], path)
+    ema = None
+    if checkpoint.get("ema") is not None:
+        ema = build_ema(model, decay=0.5)  # the decay plays no part in evaluation
+        ema.load_state_dict(checkpoint["ema"])
+    start_worker_server(dataset, cfg.data.num_workers)
+    log.info("evaluating %s (step %d) on the %s split (%d samples), strategy=%s world_size=%d",
+             path, checkpoint["global_step"], split, len(dataset), cfg.strategy.name, env.world_size)
+    distributed = cfg.strategy.name == "ddp"
+    with process_group(backend, env, device, cfg.strategy.timeout_s) if distributed else contextlib.nullcontext():
+        model = model.to(device)
+        if ema is not None:
+            ema = ema.to(device)
+        loader = build_val_loader(dataset, cfg.data, env, pin_memory=device.type == "cuda")
+        eval_model = wrap_model(model, cfg.strategy, env, device) if cfg.strategy.name == "dp" else model
+        metrics = evaluate_with_ema(eval_model, ema, loader, device, cfg.trainer.limit_val_batches)
+    results = {
+        **{key.replace("val_", f"{split}_", 1): value for key, value in metrics.items()},
+        "checkpoint": str(path),
+        "step": checkpoint["global_step"],
+        "split": split,
+        "world_size": env.world_size,
+        "strategy": cfg.strategy.name,
+    }
+    if env.is_main:
+        write_json(results, run_dir / "eval.json")
+    return results
 
 
 # What BatchNorm does with syncbn=true outside DDP, where it changes nothing.
@@ -216,7 +271,9 @@ def fit(cfg: DictConfig, env: DistEnv, device: torch.device, gpus: list[int], me
     optimizer = instantiate(optimizer_node(cfg.optim), params=model.parameters(), lr=lr)
     scheduler = build_scheduler(cfg.scheduler, optimizer, length.total_updates, length.updates_per_epoch)
     update = UpdateStep(model, optimizer, device=device, precision=cfg.precision, scheduler=scheduler,
-                        clip_norm=trainer.gradient_clip_norm, ema=ema, channels_last=cfg.channels_last)
+                        clip_norm=trainer.gradient_clip_norm, ema=ema, channels_last=cfg.channels_last,
+                        label_smoothing=trainer.label_smoothing,
+                        batch_mix=build_batch_mix(cfg.data.mixup_alpha, cfg.data.cutmix_alpha, splits.num_classes))
 
     torch.manual_seed(cfg.seed + env.rank)  # per-rank randomness (dropout) from here on
     seed_dataparallel_replicas(model, cfg.seed + env.rank)
@@ -252,13 +309,9 @@ def fit(cfg: DictConfig, env: DistEnv, device: torch.device, gpus: list[int], me
     def validate_model() -> dict[str, float]:
         if sync_buffers:
             broadcast_buffers_from_rank_zero(raw_model)
-        metrics = evaluate(eval_model, val_loader, device, trainer.limit_val_batches)
-        if ema is not None:
-            if sync_buffers:
+            if ema is not None:
                 broadcast_buffers_from_rank_zero(ema.module)
-            ema_metrics = evaluate(ema.module, val_loader, device, trainer.limit_val_batches)
-            metrics |= {"val_ema_loss": ema_metrics["val_loss"], "val_ema_accuracy": ema_metrics["val_accuracy"]}
-        return metrics
+        return evaluate_with_ema(eval_model, ema, val_loader, device, trainer.limit_val_batches)
 
     # loop
     every_n = cfg.checkpoint.every_n_steps
@@ -360,7 +413,7 @@ def fit(cfg: DictConfig, env: DistEnv, device: torch.device, gpus: list[int], me
 def hparams_of(cfg: DictConfig, length: TrainingLength, lr: float, world_size: int) -> dict:
     return {
         "strategy": cfg.strategy.name,
-        "model": cfg.model._target_.rsplit(".", 1)[-1],
+        "model": cfg.model.get("name", cfg.model._target_.rsplit(".", 1)[-1]),
         "data": cfg.data._target_.rsplit(".", 1)[-1],
         "optimizer": cfg.optim._target_.rsplit(".", 1)[-1],
         "lr": lr,
@@ -371,6 +424,9 @@ def hparams_of(cfg: DictConfig, length: TrainingLength, lr: float, world_size: i
         "global_batch_size": length.global_batch,
         "world_size": world_size,
         "syncbn": cfg.syncbn,
+        "label_smoothing": cfg.trainer.label_smoothing,
+        "mixup_alpha": cfg.data.mixup_alpha,
+        "cutmix_alpha": cfg.data.cutmix_alpha,
         "ema_decay": cfg.ema.decay if cfg.ema.decay is not None else 0.0,
         "seed": cfg.seed,
         "max_epochs": cfg.trainer.max_epochs,
@@ -401,12 +457,12 @@ def main(cfg: DictConfig) -> float:
         raise
     except KeyboardInterrupt:  # Ctrl-C outside the training loop, where no step boundary comes
         record_failed_job(hydra_cfg, cfg, Interrupted(signal.SIGINT))
-        print("error: interrupted before or after training: exiting; nothing more was saved", file=sys.stderr)
+        sys.stderr.write("error: interrupted before or after training: exiting; nothing more was saved\n")
         sys.exit(130)
     except (ConfigError, Diverged) as error:
         if in_sweep and not env.under_torchrun:
             raise  # this job fails, the sweep goes on, and its summary says why
-        print(f"error: {error}", file=sys.stderr)
+        sys.stderr.write(f"error: {error}\n")  # one write: ranks printing at once keep their lines whole
         sys.exit(1)
     except Exception:
         if in_sweep and env.under_torchrun:
@@ -419,8 +475,9 @@ def main(cfg: DictConfig) -> float:
     if env.is_main:
         log.info("run dir: %s", run_dir)
         log.info("results: %s", {k: round(v, 4) if isinstance(v, float) else v for k, v in results.items()})
-        log.info("tensorboard: tensorboard --logdir %s  (or: make tensorboard)", run_dir)
-    return results["val_accuracy"]
+        if cfg.mode == "train":
+            log.info("tensorboard: tensorboard --logdir %s  (or: make tensorboard)", run_dir)
+    return results["val_accuracy" if "val_accuracy" in results else "test_accuracy"]
 
 
 if __name__ == "__main__":

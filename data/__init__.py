@@ -4,7 +4,7 @@ from dataclasses import dataclass
 
 from torch.utils.data import Dataset
 
-from ddp.config import LOADER_KEYS, ConfigError, instantiate_checked
+from ddp.config import LOADING_KEYS, ConfigError, instantiate_checked
 
 
 @dataclass
@@ -13,11 +13,12 @@ class DataSplits:
     val: Dataset
     num_classes: int
     in_channels: int
+    test: Dataset | None = None  # where the dataset has a test split (mode=eval data.split=test)
 
 
 def build_datasets(data_cfg) -> DataSplits:
-    """Call data._target_ with the dataset keys (everything but the loader keys)."""
-    dataset_cfg = {key: value for key, value in data_cfg.items() if key not in LOADER_KEYS}
+    """Call data._target_ with the dataset keys (everything but the loading keys)."""
+    dataset_cfg = {key: value for key, value in data_cfg.items() if key not in LOADING_KEYS}
     splits = instantiate_checked(dataset_cfg, "data")
     for name in ("train", "val"):
         if len(getattr(splits, name)) == 0:

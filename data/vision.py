@@ -1,46 +1,45 @@
-"""torchvision datasets on local disk: ImageFolder and CIFAR-10."""
+"""torchvision datasets on local disk: ImageFolder and CIFAR-10, with the standard train and eval
+transforms (data/presets.py)."""
 
 from pathlib import Path
 
-from torchvision import datasets, transforms
+from torchvision import datasets
 
 from data import DataSplits
+from data.presets import cifar10_transforms, imagefolder_transforms
 from ddp.config import ConfigError
 
-_IMAGENET_MEAN, _IMAGENET_STD = (0.485, 0.456, 0.406), (0.229, 0.224, 0.225)
 
-
-def build_imagefolder(root: str, image_size: int) -> DataSplits:
-    """`root/train/<class>/*` and `root/val/<class>/*`, as torchvision's ImageFolder reads them."""
+def build_imagefolder(root: str, image_size: int, augment: str, random_erase: float, interpolation: str) -> DataSplits:
+    """`root/train/<class>/*` and `root/val/<class>/*`, as torchvision's ImageFolder reads them, and
+    `root/test/<class>/*` if present (data.split=test with mode=eval)."""
     for split in ("train", "val"):
         if not (Path(root) / split).is_dir():
             raise ConfigError(f"data.root={root}: no {split}/ folder; ImageFolder needs {root}/{split}/<class>/<image>")
-    transform = transforms.Compose(
-        [
-            transforms.Resize(image_size),
-            transforms.CenterCrop(image_size),
-            transforms.ToTensor(),
-            transforms.Normalize(_IMAGENET_MEAN, _IMAGENET_STD),
-        ]
-    )
-    try:
-        train = datasets.ImageFolder(str(Path(root) / "train"), transform=transform)
-        val = datasets.ImageFolder(str(Path(root) / "val"), transform=transform)
-    except FileNotFoundError as error:  # no class folders, or no images in them
-        raise ConfigError(f"data.root={root}: {error}") from None
-    if train.classes != val.classes:
-        # Each ImageFolder numbers its own classes; different folders would silently mislabel.
-        raise ConfigError(f"data.root={root}: train/ and val/ hold different class folders ({train.classes} vs {val.classes})")
-    return DataSplits(train, val, num_classes=len(train.classes), in_channels=3)
+    train_transform, eval_transform = imagefolder_transforms(image_size, augment, random_erase, interpolation)
+    transforms = {"train": train_transform, "val": eval_transform, "test": eval_transform}
+    folders = {}
+    for split, transform in transforms.items():
+        if split == "test" and not (Path(root) / split).is_dir():
+            continue
+        try:
+            folders[split] = datasets.ImageFolder(str(Path(root) / split), transform=transform)
+        except FileNotFoundError as error:  # no class folders, or no images in them
+            raise ConfigError(f"data.root={root}: {error}") from None
+        if folders[split].classes != folders["train"].classes:
+            # Each ImageFolder numbers its own classes; different folders would silently mislabel.
+            raise ConfigError(f"data.root={root}: train/ and {split}/ hold different class folders "
+                              f"({folders['train'].classes} vs {folders[split].classes})")
+    return DataSplits(folders["train"], folders["val"], num_classes=len(folders["train"].classes), in_channels=3,
+                      test=folders.get("test"))
 
 
-def build_cifar10(root: str, download: bool) -> DataSplits:
-    transform = transforms.Compose(
-        [transforms.ToTensor(), transforms.Normalize((0.4914, 0.4822, 0.4465), (0.2470, 0.2435, 0.2616))]
-    )
+def build_cifar10(root: str, download: bool, augment: str, random_erase: float, interpolation: str) -> DataSplits:
+    """The 50,000 training images, and the 10,000 test images as both the val and the test split."""
+    train_transform, eval_transform = cifar10_transforms(augment, random_erase, interpolation)
     try:
-        train = datasets.CIFAR10(root, train=True, download=download, transform=transform)
-        val = datasets.CIFAR10(root, train=False, download=download, transform=transform)
+        train = datasets.CIFAR10(root, train=True, download=download, transform=train_transform)
+        test = datasets.CIFAR10(root, train=False, download=download, transform=eval_transform)
     except RuntimeError as error:  # torchvision's "Dataset not found or corrupted"
         raise ConfigError(f"data.root={root}: CIFAR-10 not found ({error}); set data.download=true or copy it there") from None
-    return DataSplits(train, val, num_classes=10, in_channels=3)
+    return DataSplits(train, test, num_classes=10, in_channels=3, test=test)

@@ -28,7 +28,8 @@ class StrategyConfig:
 
 @dataclass
 class ModelConfig:
-    _target_: str = MISSING  # called with num_classes= and in_channels= taken from the data
+    _target_: str = MISSING  # called with num_classes= and in_channels= taken from the data, and the keys below
+    weights_path: str | None = None  # local weights loaded before training (a state_dict, .safetensors, or our checkpoint)
 
 
 @dataclass
@@ -44,14 +45,33 @@ class ResNet18Config(ModelConfig):
 
 
 @dataclass
+class TorchvisionModelConfig(ModelConfig):
+    name: str = "resnet50"  # any of torchvision.models.list_models(module=torchvision.models)
+    weights: str | None = None  # stays null: nothing is downloaded at run time; use weights_path
+    small_input: bool = False  # ResNet-style models: 3x3 stem without max-pool, for images of 64 px or less
+    kwargs: dict[str, Any] = field(default_factory=dict)  # more keyword arguments for the model, e.g. image_size for ViTs
+
+
+@dataclass
+class TimmModelConfig(ModelConfig):
+    name: str = "resnet50"  # any of timm.list_models()
+    drop_path_rate: float = 0.0  # stochastic depth, where the model has it
+    kwargs: dict[str, Any] = field(default_factory=dict)  # more keyword arguments for timm.create_model, e.g. img_size
+
+
+@dataclass
 class DataConfig:
-    _target_: str = MISSING  # returns a data.DataSplits; gets every key below except the loader keys
+    _target_: str = MISSING  # returns a data.DataSplits; gets every key below except the loading keys
     batch_size: int = 32  # per process; the global batch is batch_size * world_size
     num_workers: int = 0
+    mixup_alpha: float = 0.0  # > 0: MixUp training batches (Beta(alpha, alpha) weights)
+    cutmix_alpha: float = 0.0  # > 0: CutMix training batches; with both set, each batch gets one of the two at random
+    split: str = "val"  # val | test: the split that mode=eval evaluates (training always validates on val)
 
 
-# Keys of DataConfig that configure the DataLoader rather than the dataset.
-LOADER_KEYS = ("batch_size", "num_workers")
+# Keys of DataConfig that say which split to read and how to batch and mix it, not what the dataset is:
+# the dataset builder doesn't get them.
+LOADING_KEYS = ("batch_size", "num_workers", "mixup_alpha", "cutmix_alpha", "split")
 
 
 @dataclass
@@ -73,14 +93,20 @@ class SyntheticDataConfig(DataConfig):
 
 @dataclass
 class ImageFolderDataConfig(DataConfig):
-    root: str = MISSING  # holds train/<class>/*.jpg and val/<class>/*.jpg
-    image_size: int = 224
+    root: str = MISSING  # holds train/<class>/*.jpg and val/<class>/*.jpg (and test/<class>/*.jpg, optionally)
+    image_size: int = 224  # the crop: RandomResizedCrop to train, Resize(image_size / 0.875) + CenterCrop to evaluate
+    augment: str = "standard"  # none | standard | randaugment | trivialaugment | autoaugment (data/presets.py)
+    random_erase: float = 0.0  # probability of RandomErasing on a training image
+    interpolation: str = "bilinear"  # bilinear | bicubic | nearest, for resizing and the augment policies
 
 
 @dataclass
 class Cifar10DataConfig(DataConfig):
     root: str = "datasets/cifar10"
     download: bool = False
+    augment: str = "standard"  # none | standard (padded random crop + flip) | randaugment | trivialaugment | autoaugment
+    random_erase: float = 0.0
+    interpolation: str = "bilinear"
 
 
 @dataclass
@@ -138,6 +164,7 @@ class TrainerConfig:
     max_steps: int = -1  # -1: no limit; otherwise stop after this many optimizer steps (updates)
     accumulate_grad_batches: int = 1  # micro-batches per optimizer update
     gradient_clip_norm: float | None = None  # null: off; else clip the global grad norm to this
+    label_smoothing: float = 0.0  # of the training loss (F.cross_entropy's); validation reports the plain loss
     log_every_n_steps: int = 10  # at most MAX_LOG_EVERY_N_STEPS: DDP ranks also agree on SIGTERM then
     val_every_n_epochs: int = 1
     limit_train_batches: int = -1  # -1: all; for smoke runs
@@ -173,6 +200,7 @@ class TrainConfig:
     ema: EMAConfig = field(default_factory=EMAConfig)
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
     fault: FaultConfig = field(default_factory=FaultConfig)
+    mode: str = "train"  # train | eval: evaluate the checkpoint that `resume` names, train nothing
     resume: str | None = None  # auto | a run dir | a checkpoint file; auto after a torchrun restart
     backend: str = "auto"  # auto | nccl | gloo; auto is nccl when CUDA is available, else gloo
     syncbn: bool = False  # synchronize BatchNorm statistics across ranks (strategy=ddp)
@@ -186,7 +214,8 @@ class TrainConfig:
 
 SCHEMAS = {
     "strategy": {"single": StrategyConfig, "dp": StrategyConfig, "ddp": StrategyConfig},
-    "model": {"small_cnn": SmallCNNConfig, "resnet18": ResNet18Config},
+    "model": {"small_cnn": SmallCNNConfig, "resnet18": ResNet18Config, "torchvision": TorchvisionModelConfig,
+              "timm": TimmModelConfig},
     "data": {
         "digits": DigitsDataConfig,
         "synthetic": SyntheticDataConfig,
@@ -241,6 +270,8 @@ def check_model_accepts(model: torch.nn.Module, sample: torch.Tensor) -> None:
 
 
 STRATEGIES = ("single", "dp", "ddp")
+MODES = ("train", "eval")
+SPLITS = ("val", "test")
 PRECISIONS = ("32", "bf16", "16")
 COMPILE_MODES = (None, "default", "reduce-overhead", "max-autotune", "max-autotune-no-cudagraphs")
 LR_SCALINGS = ("none", "linear", "sqrt")
@@ -301,6 +332,13 @@ def validate(cfg: Any, *, under_torchrun: bool, world_size: int) -> None:
         rank = cfg.fault[key]
         _check(rank < world_size, f"fault.{key}={rank}: there are only {world_size} ranks")
         _check(rank < 0 or cfg.fault.at_step >= 1, f"fault.{key}={rank} needs fault.at_step >= 1")
+    _check(cfg.mode in MODES, f"mode={cfg.mode}: unknown, use one of {', '.join(MODES)}")
+    _check(cfg.data.split in SPLITS, f"data.split={cfg.data.split}: unknown, use one of {', '.join(SPLITS)}")
+    if cfg.mode == "eval":
+        _check(cfg.resume not in (None, "auto"), "mode=eval evaluates a checkpoint: pass resume=<checkpoint file or run dir>")
+    else:
+        _check(cfg.data.split == "val", f"data.split={cfg.data.split}: training validates on val; evaluate the test "
+                                        "split with mode=eval resume=<checkpoint or run dir> data.split=test")
     if cfg.resume not in (None, "auto"):
         _check(Path(cfg.resume).exists(), f"resume={cfg.resume}: not found; pass a run dir, a checkpoint file, or resume=auto")
     _check(cfg.precision in PRECISIONS, f"precision={cfg.precision}: unknown, use one of {', '.join(PRECISIONS)}")
@@ -310,6 +348,9 @@ def validate(cfg: Any, *, under_torchrun: bool, world_size: int) -> None:
            f"trainer.accumulate_grad_batches={trainer.accumulate_grad_batches}: must be >= 1 (micro-batches per update)")
     clip = trainer.gradient_clip_norm
     _check(clip is None or clip > 0, f"trainer.gradient_clip_norm={clip}: must be > 0, or null for no clipping")
+    _check(0 <= trainer.label_smoothing < 1, f"trainer.label_smoothing={trainer.label_smoothing}: must be in [0, 1), e.g. 0.1")
+    for key in ("mixup_alpha", "cutmix_alpha"):
+        _check(cfg.data[key] >= 0, f"data.{key}={cfg.data[key]}: must be >= 0 (0: off), e.g. data.{key}=0.2")
     decay = cfg.ema.decay
     _check(decay is None or 0 < decay < 1, f"ema.decay={decay}: must be in (0, 1), e.g. ema.decay=0.999, or null for no EMA")
     _check(cfg.optim.lr_scaling in LR_SCALINGS,

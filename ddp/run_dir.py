@@ -24,7 +24,9 @@ from datetime import datetime
 from pathlib import Path
 from typing import Any
 
+from hydra.core.override_parser.overrides_parser import OverridesParser
 from hydra.core.utils import JobReturn, JobStatus
+from hydra.errors import OverrideParseException
 from hydra.experimental.callback import Callback
 from hydra.types import RunMode
 from omegaconf import DictConfig, OmegaConf
@@ -39,12 +41,13 @@ CLAIMS = OUTPUTS / ".launches"  # per launch without torchrun's shared store: wh
 TIME_FORMAT = "%Y-%m-%d_%H-%M-%S"
 STALE_CLAIM_S = 24 * 3600
 RESTART_LOCK_WAIT_S = 60.0  # a restarted rank 0 waits this long for the previous attempt's lock
+MAX_JOB_DIR_NAME = 120
 
 
 def _error(message: str) -> None:
     """A user-facing stop from inside Hydra's start-up (resolvers, callbacks), where an exception
     would become a traceback: one line, exit 1."""
-    print(f"error: {message}", file=sys.stderr)
+    sys.stderr.write(f"error: {message}\n")  # one write: ranks printing at once keep their lines whole
     sys.exit(1)
 
 
@@ -171,9 +174,10 @@ def _claimed(key: str, parent: Path) -> str:
     return agreed(key, claim)
 
 
-def run_dir(resume: str | None) -> str:
-    """`resume=<run dir>` continues in that dir; otherwise a new `outputs/<time>` of this launch's own."""
-    if resume and Path(resume).is_dir():
+def run_dir(resume: str | None, mode: str = "train") -> str:
+    """`resume=<run dir>` continues training in that dir; otherwise (and for mode=eval) a new
+    `outputs/<time>` of this launch's own."""
+    if mode == "train" and resume and Path(resume).is_dir():
         return resume
     return _claimed("run_dir", OUTPUTS)
 
@@ -269,12 +273,34 @@ def _process_log_name(strategy: str, nproc_per_node: int) -> str:
     return f"rank{env.rank}"
 
 
+def _job_dir_name(job_num: int, task_overrides: list[str]) -> str:
+    """`<job number>_<the swept values>` (e.g. `0_data.batch_size=16`): TensorBoard names each run of a
+    sweep after its dir, so the scalar legend and the HParams table say which job is which. The swept
+    keys are those given several values on the command line; when none are (an Optuna search), the
+    name holds all of the job's overrides. A `/` in a value would nest dirs, and names have a length limit."""
+    swept = _swept_keys()
+    chosen = [item for item in task_overrides if item.split("=", 1)[0].lstrip("+~") in swept] or list(task_overrides)
+    name = ",".join([str(job_num), *sorted(chosen)]).replace(",", "_", 1).replace("/", "_")
+    return name[:MAX_JOB_DIR_NAME]
+
+
+def _swept_keys() -> set[str]:
+    arguments = [arg for arg in sys.argv[1:] if not arg.startswith("-")]
+    try:
+        overrides = OverridesParser.create().parse_overrides(arguments)
+    except OverrideParseException:
+        return set()
+    return {override.key_or_group for override in overrides if override.is_sweep_override()}
+
+
 def register_resolvers() -> None:
-    """`${run_dir:RESUME}` and `${sweep_dir:}` for this launch's dirs; `${rank_zero_only:VALUE}` is
-    null on other ranks; `${process_log_name:STRATEGY,NPROC}` names this process's log file."""
+    """`${run_dir:RESUME,MODE}` and `${sweep_dir:}` for this launch's dirs; `${rank_zero_only:VALUE}` is
+    null on other ranks; `${process_log_name:STRATEGY,NPROC}` names this process's log file;
+    `${job_dir_name:NUM,TASK_OVERRIDES}` names a sweep job's dir."""
     OmegaConf.register_new_resolver("run_dir", run_dir, replace=True)
     OmegaConf.register_new_resolver("sweep_dir", sweep_dir, replace=True)
     OmegaConf.register_new_resolver("process_log_name", _process_log_name, replace=True)
+    OmegaConf.register_new_resolver("job_dir_name", _job_dir_name, replace=True)
     OmegaConf.register_new_resolver(
         "rank_zero_only", lambda value: value if DistEnv.from_environ().is_main else None, replace=True
     )

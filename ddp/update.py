@@ -4,6 +4,7 @@ each in the order that keeps it right under DDP, plus a non-finite check that co
 import contextlib
 import math
 import warnings
+from collections.abc import Callable
 
 import torch
 import torch.distributed as dist
@@ -25,7 +26,8 @@ class Diverged(RuntimeError):
 class UpdateStep:
     """One optimizer update from a group of micro-batches.
 
-    Every micro-batch: forward under autocast, loss divided by the number of micro-batches in its
+    Every micro-batch: MixUp/CutMix if on, forward under autocast, the (label-smoothed) cross-entropy
+    against the hard or mixed targets, divided by the number of micro-batches in its
     group (the last group of an epoch may be shorter), backward (through the GradScaler for fp16).
     Under DDP the forward and backward of all but the group's last micro-batch run inside
     no_sync(), so gradients are all-reduced once per update. After the last one: unscale (fp16) ->
@@ -40,8 +42,11 @@ class UpdateStep:
 
     def __init__(self, model: nn.Module, optimizer: torch.optim.Optimizer, *, device: torch.device, precision: str,
                  scheduler: lr_scheduler.LRScheduler | None = None, clip_norm: float | None = None,
-                 ema: AveragedModel | None = None, channels_last: bool = False):
+                 ema: AveragedModel | None = None, channels_last: bool = False, label_smoothing: float = 0.0,
+                 batch_mix: Callable | None = None):
         self.model, self.optimizer, self.scheduler, self.ema = model, optimizer, scheduler, ema
+        self.label_smoothing = label_smoothing
+        self.batch_mix = batch_mix  # (images, labels) -> (images, soft targets), e.g. data.mix.build_batch_mix's
         self.device = device
         self.autocast_dtype = AUTOCAST_DTYPES[precision]
         self.scaler = torch.amp.GradScaler(device.type) if precision == "16" else None
@@ -60,13 +65,16 @@ class UpdateStep:
 
     def micro_step(self, images: torch.Tensor, labels: torch.Tensor, micro_index: int, group_size: int) -> torch.Tensor:
         """Forward and backward of one micro-batch; the update itself after the group's last. Returns the loss."""
-        images = images.to(self.device, non_blocking=True, memory_format=self.memory_format)
-        labels = labels.to(self.device, non_blocking=True)
+        images = images.to(self.device, non_blocking=True)
+        targets = labels.to(self.device, non_blocking=True)
+        if self.batch_mix is not None:
+            images, targets = self.batch_mix(images, targets)  # soft targets: class probabilities
+        images = images.contiguous(memory_format=self.memory_format)
         last = micro_index == group_size - 1
         accumulate_locally = not last and isinstance(self.model, DistributedDataParallel)
         with self.model.no_sync() if accumulate_locally else contextlib.nullcontext():
             with torch.autocast(self.device.type, dtype=self.autocast_dtype, enabled=self.autocast_dtype is not None):
-                loss = F.cross_entropy(self.model(images), labels)
+                loss = F.cross_entropy(self.model(images), targets, label_smoothing=self.label_smoothing)
             scaled = loss / group_size
             (self.scaler.scale(scaled) if self.scaler else scaled).backward()
         self.finite.mul_(torch.isfinite(loss.detach()))

@@ -10,8 +10,10 @@ import subprocess  # noqa: E402
 import sys  # noqa: E402
 from pathlib import Path  # noqa: E402
 
+import numpy as np  # noqa: E402
 import pytest  # noqa: E402
 import torch  # noqa: E402
+from PIL import Image  # noqa: E402
 
 REPO = Path(__file__).resolve().parents[1]
 TRAIN = REPO / "train.py"
@@ -84,6 +86,33 @@ def single_run(tmp_path_factory):
     result = launch(["strategy=single", *TINY, "data.batch_size=16"], cwd)
     check(result)
     return cwd, result
+
+
+def write_imagefolder(root: Path, classes=("cat", "dog"), per_class: int | dict[str, int] = 3,
+                      splits=("train", "val"), size=(24, 20)) -> Path:
+    """A real ImageFolder tree of small, non-square RGB PNGs: each class its own colour, each image its
+    own noise (so the classes are easy to learn). `per_class`: images per class, or per split and class."""
+    rng = np.random.default_rng(0)
+    for split in splits:
+        count = per_class[split] if isinstance(per_class, dict) else per_class
+        for index, name in enumerate(classes):
+            folder = root / split / name
+            folder.mkdir(parents=True)
+            colour = np.array([(90 * index) % 256, (150 * index) % 256, 200])
+            for i in range(count):
+                pixels = np.clip(colour + rng.integers(-30, 30, (size[1], size[0], 3)), 0, 255).astype(np.uint8)
+                Image.fromarray(pixels).save(folder / f"{i}.png")
+    return root
+
+
+def job_dir(sweep_dir: Path, job: int) -> Path:
+    """A sweep job's dir, `<job>_<its overrides>`."""
+    (found,) = [p for p in sweep_dir.iterdir() if p.is_dir() and p.name.split("_", 1)[0] == str(job)]
+    return found
+
+
+def job_numbers(sweep_dir: Path) -> list[int]:
+    return sorted(int(p.name.split("_", 1)[0]) for p in sweep_dir.iterdir() if p.is_dir())
 
 
 def load_last(cwd):

@@ -80,6 +80,25 @@ def _empty_dir(tmp: Path) -> Path:
     return root
 
 
+def _pickled_model(tmp: Path) -> Path:
+    import torch
+
+    from models.small_cnn import SmallCNN
+
+    path = tmp / "whole_model.pth"
+    torch.save(SmallCNN(10, 3, [4]), path)  # the module object itself, pickled: loading it would run code
+    return path
+
+
+def _resnet18_weights(tmp: Path) -> Path:
+    import torch
+    import torchvision
+
+    path = tmp / "resnet18.pth"
+    torch.save(torchvision.models.resnet18(num_classes=10).state_dict(), path)
+    return path
+
+
 # (args, key named in the message, distinctive part(s) of the message, setup); "{tmp}" is tmp_path,
 # and "{dir}" is the folder that the case's setup function makes in tmp_path.
 OUR_ERRORS = {
@@ -146,6 +165,49 @@ OUR_ERRORS = {
         ("CIFAR-10 not found", "set data.download=true"), _empty_dir,
     ),
     "ddp_without_torchrun": (QUICK + ["strategy=ddp"], "strategy=ddp", "torchrun --nproc_per_node", None),
+    "unknown_mode": (QUICK + ["mode=serve"], "mode=serve", "unknown, use one of train, eval", None),
+    "eval_without_a_checkpoint": (QUICK + ["mode=eval"], "mode=eval", "pass resume=<checkpoint file or run dir>", None),
+    "eval_of_a_missing_checkpoint": (QUICK + ["mode=eval", "resume={tmp}/missing.pt"], "resume={tmp}/missing.pt", "not found", None),
+    "eval_of_a_dir_without_checkpoints": (QUICK + ["mode=eval", "resume={dir}"], "resume={dir}", "no loadable checkpoint", _empty_dir),
+    "eval_of_a_split_the_data_lacks": (
+        QUICK + ["mode=eval", "resume={dir}", "data.split=test"], "data.split=test", "has no test split", _empty_dir,
+    ),
+    "test_split_in_training": (QUICK + ["data.split=test"], "data.split=test", "training validates on val", None),
+    "unknown_split": (QUICK + ["data.split=holdout"], "data.split=holdout", "unknown, use one of val, test", None),
+    "unknown_augment": (
+        ["trainer.max_epochs=1", "data=cifar10", "data.root={dir}", "data.augment=heavy"], "data.augment=heavy",
+        "unknown, use one of none, standard, randaugment, trivialaugment, autoaugment", _empty_dir,
+    ),
+    "random_erase_beyond_one": (
+        ["trainer.max_epochs=1", "data=cifar10", "data.root={dir}", "data.random_erase=1.5"], "data.random_erase=1.5",
+        "must be a probability", _empty_dir,
+    ),
+    "unknown_interpolation": (
+        ["trainer.max_epochs=1", "data=cifar10", "data.root={dir}", "data.interpolation=lanczos"],
+        "data.interpolation=lanczos", "unknown, use one of bilinear, bicubic, nearest", _empty_dir,
+    ),
+    "negative_mixup_alpha": (QUICK + ["data.mixup_alpha=-1"], "data.mixup_alpha=-1", "must be >= 0", None),
+    "label_smoothing_of_one": (QUICK + ["trainer.label_smoothing=1"], "trainer.label_smoothing=1", "must be in [0, 1)", None),
+    "unknown_torchvision_model": (
+        QUICK + ["model=torchvision", "model.name=resnet5"], "model.name=resnet5", "closest: resnet50, ", None,
+    ),
+    "unknown_timm_model": (QUICK + ["model=timm", "model.name=convnxt_tiny"], "model.name=convnxt_tiny", "closest: convnext_tiny", None),
+    "torchvision_weights_to_download": (
+        QUICK + ["model=torchvision", "model.weights=IMAGENET1K_V1"], "model.weights=IMAGENET1K_V1", "model.weights_path=<file>", None,
+    ),
+    "small_input_stem_on_a_vit": (
+        QUICK + ["model=torchvision", "model.name=vit_b_16", "model.small_input=true"], "model.small_input=true",
+        "applies to ResNet-style models", None,
+    ),
+    "model_kwarg_the_model_rejects": (
+        QUICK + ["model=torchvision", "model.name=resnet18", "+model.kwargs.depth=3"], "model", "unexpected keyword argument 'depth'", None,
+    ),
+    "missing_weights_file": (QUICK + ["model.weights_path={tmp}/missing.pt"], "model.weights_path={tmp}/missing.pt", "not found", None),
+    "pickled_weights": (QUICK + ["model.weights_path={dir}"], "model.weights_path", "refused, it holds pickled objects", _pickled_model),
+    "weights_of_another_model": (
+        QUICK + ["model.weights_path={dir}"], "model.weights_path={dir}", ("does not fit this model", "unexpected keys ['bn1.bias'"),
+        _resnet18_weights,
+    ),
 }
 
 

@@ -8,12 +8,12 @@ from hydra.errors import ConfigCompositionException
 from hydra.utils import instantiate
 from omegaconf import DictConfig, ListConfig, OmegaConf
 from omegaconf.errors import ValidationError
-from PIL import Image
 from sklearn.datasets import load_digits
 
 import ddp.config as schema
-from conftest import REPO
+from conftest import REPO, check, launch, write_imagefolder
 from data import build_datasets
+from models import build_model
 from ddp.config import ConfigError, optimizer_node, register_configs, validate
 from ddp.run_dir import register_resolvers
 
@@ -23,7 +23,8 @@ register_resolvers()
 # Every option of every group, with the schema its yaml must start from.
 OPTIONS = {
     "strategy": {"single": schema.StrategyConfig, "dp": schema.StrategyConfig, "ddp": schema.StrategyConfig},
-    "model": {"small_cnn": schema.SmallCNNConfig, "resnet18": schema.ResNet18Config},
+    "model": {"small_cnn": schema.SmallCNNConfig, "resnet18": schema.ResNet18Config,
+              "torchvision": schema.TorchvisionModelConfig, "timm": schema.TimmModelConfig},
     "data": {
         "digits": schema.DigitsDataConfig,
         "synthetic": schema.SyntheticDataConfig,
@@ -39,32 +40,36 @@ ALL_OPTIONS = [(group, option) for group, options in OPTIONS.items() for option 
 DEFAULT_KEYS = {
     "strategy.name", "strategy.timeout_s", "strategy.bucket_cap_mb", "strategy.find_unused_parameters",
     "strategy.nproc_per_node", "strategy.max_restarts",
-    "model._target_", "model.channels", "model.dropout", "model.norm",
-    "data._target_", "data.batch_size", "data.num_workers", "data.val_fraction", "data.split_seed",
+    "model._target_", "model.weights_path", "model.channels", "model.dropout", "model.norm",
+    "data._target_", "data.batch_size", "data.num_workers", "data.mixup_alpha", "data.cutmix_alpha", "data.split",
+    "data.val_fraction", "data.split_seed",
     "optim._target_", "optim.lr", "optim.lr_scaling", "optim.reference_batch_size", "optim.momentum", "optim.weight_decay",
     "optim.nesterov", "scheduler.name", "scheduler.warmup_steps", "scheduler.warmup_epochs",
     "trainer.max_epochs", "trainer.max_steps", "trainer.accumulate_grad_batches", "trainer.gradient_clip_norm",
+    "trainer.label_smoothing",
     "trainer.log_every_n_steps", "trainer.val_every_n_epochs",
     "trainer.limit_train_batches", "trainer.limit_val_batches", "trainer.warmup_steps",
     "checkpoint.every_n_steps", "checkpoint.keep_last",
     "fault.kill_rank", "fault.raise_rank", "fault.stall_rank", "fault.at_step", "fault.every_attempt",
-    "ema.decay", "backend", "syncbn", "deterministic", "precision", "channels_last", "compile", "compile_mode", "seed", "resume",
+    "ema.decay", "backend", "syncbn", "deterministic", "precision", "channels_last", "compile", "compile_mode", "seed", "mode", "resume",
 }
 
+LOADING = {"_target_", "batch_size", "num_workers", "mixup_alpha", "cutmix_alpha", "split"}
 # The keys each option adds to its group. Update this list deliberately when adding an option.
 OPTION_KEYS = {
     ("strategy", "single"): {"name", "timeout_s", "bucket_cap_mb", "find_unused_parameters", "nproc_per_node", "max_restarts"},
     ("strategy", "dp"): {"name", "timeout_s", "bucket_cap_mb", "find_unused_parameters", "nproc_per_node", "max_restarts"},
     ("strategy", "ddp"): {"name", "timeout_s", "bucket_cap_mb", "find_unused_parameters", "nproc_per_node", "max_restarts"},
-    ("model", "small_cnn"): {"_target_", "channels", "dropout", "norm"},
-    ("model", "resnet18"): {"_target_", "small_input"},
-    ("data", "digits"): {"_target_", "batch_size", "num_workers", "val_fraction", "split_seed"},
+    ("model", "small_cnn"): {"_target_", "weights_path", "channels", "dropout", "norm"},
+    ("model", "resnet18"): {"_target_", "weights_path", "small_input"},
+    ("model", "torchvision"): {"_target_", "weights_path", "name", "weights", "small_input", "kwargs"},
+    ("model", "timm"): {"_target_", "weights_path", "name", "drop_path_rate", "kwargs"},
+    ("data", "digits"): {*LOADING, "val_fraction", "split_seed"},
     ("data", "synthetic"): {
-        "_target_", "batch_size", "num_workers", "num_samples", "num_val_samples", "image_size", "num_classes",
-        "channels", "data_seed", "augment",
+        *LOADING, "num_samples", "num_val_samples", "image_size", "num_classes", "channels", "data_seed", "augment",
     },
-    ("data", "imagefolder"): {"_target_", "batch_size", "num_workers", "root", "image_size"},
-    ("data", "cifar10"): {"_target_", "batch_size", "num_workers", "root", "download"},
+    ("data", "imagefolder"): {*LOADING, "root", "image_size", "augment", "random_erase", "interpolation"},
+    ("data", "cifar10"): {*LOADING, "root", "download", "augment", "random_erase", "interpolation"},
     ("optim", "sgd"): {"_target_", "lr", "lr_scaling", "reference_batch_size", "momentum", "weight_decay", "nesterov"},
     ("optim", "adam"): {"_target_", "lr", "lr_scaling", "reference_batch_size", "weight_decay"},
     ("optim", "adamw"): {"_target_", "lr", "lr_scaling", "reference_batch_size", "weight_decay"},
@@ -92,17 +97,6 @@ def flat_keys(node, prefix: str = "") -> set[str]:
     return keys
 
 
-def write_imagefolder(root, classes=("cat", "dog"), per_class=3):
-    """A real ImageFolder tree of small, non-square RGB PNGs."""
-    for split in ("train", "val"):
-        for index, name in enumerate(classes):
-            folder = root / split / name
-            folder.mkdir(parents=True)
-            for i in range(per_class):
-                Image.new("RGB", (24, 20), color=(40 * index, 10 * i, 200)).save(folder / f"{i}.png")
-    return root
-
-
 def test_every_option_file_is_covered():
     """The options tested here are exactly the yaml files in conf/<group>/, so a new one can't go untested."""
     on_disk = {group: {p.stem for p in (REPO / "conf" / group).glob("*.yaml")} for group in OPTIONS}
@@ -118,6 +112,20 @@ def test_option_composes_against_its_schema(group, option):
     assert set(cfg[group]) == OPTION_KEYS[group, option], "update OPTION_KEYS deliberately when adding an option"
     if group == "strategy":
         assert cfg.strategy.name == option
+
+
+def test_help_lists_every_user_group_and_option_and_no_schema(tmp_path):
+    """`python train.py --help`: each group a user picks from, with each of its options; not the
+    internal schema/ groups."""
+    result = launch(["--help"], tmp_path, timeout=120)
+    check(result)
+    assert "schema" not in result.stdout
+    groups = {p.name for p in (REPO / "conf").iterdir() if p.is_dir()}
+    for group in groups:
+        (line,) = [line for line in result.stdout.splitlines() if line.strip().startswith(f"{group}=")]
+        options = {p.stem for p in (REPO / "conf" / group).glob("*.yaml")}
+        assert options <= set(line.replace("|", " ").replace(":", " ").split()), (line, options)
+    assert not (tmp_path / "outputs").exists()
 
 
 @pytest.mark.parametrize("group, option", [(g, o) for g, o in ALL_OPTIONS if (g, o) != ("data", "imagefolder")])
@@ -139,11 +147,11 @@ def test_imagefolder_requires_a_root():
 
 
 @pytest.mark.parametrize("size", [16, 32])
-@pytest.mark.parametrize("model", ["small_cnn", "resnet18"])
+@pytest.mark.parametrize("model", ["small_cnn", "resnet18", "torchvision", "timm"])
 def test_model_builds_and_runs_forward(model, size):
     """Each model option builds with the data's num_classes/in_channels and maps (N, C, H, W) to (N, classes)."""
     cfg = compose_config(f"model={model}")
-    net = instantiate(cfg.model, num_classes=10, in_channels=3).eval()
+    net = build_model(cfg.model, num_classes=10, in_channels=3).eval()
     with torch.no_grad():
         logits = net(torch.randn(2, 3, size, size))
     assert logits.shape == (2, 10)
@@ -154,7 +162,7 @@ def test_model_builds_and_runs_forward(model, size):
 def test_resnet18_accepts_one_channel_input(small_input):
     """resnet18 adapts its stem to in_channels, with the small-input stem and with the ImageNet one."""
     cfg = compose_config("model=resnet18", f"model.small_input={small_input}")
-    net = instantiate(cfg.model, num_classes=7, in_channels=1).eval()
+    net = build_model(cfg.model, num_classes=7, in_channels=1).eval()
     with torch.no_grad():
         assert net(torch.randn(2, 1, 32, 32)).shape == (2, 7)
 
@@ -162,7 +170,7 @@ def test_resnet18_accepts_one_channel_input(small_input):
 def test_small_cnn_channels_come_from_the_config():
     """model.channels sets the conv widths, and the head follows the last one."""
     cfg = compose_config("model=small_cnn", "model.channels=[4,6]")
-    net = instantiate(cfg.model, num_classes=3, in_channels=1)
+    net = build_model(cfg.model, num_classes=3, in_channels=1)
     convs = [m for m in net.modules() if isinstance(m, torch.nn.Conv2d)]
     assert [(c.in_channels, c.out_channels) for c in convs] == [(1, 4), (4, 6)]
     assert net(torch.randn(2, 1, 8, 8)).shape == (2, 3)
@@ -172,7 +180,7 @@ def test_small_cnn_channels_come_from_the_config():
 def test_optimizer_builds_from_config_and_steps(option):
     """Each optim option builds its torch.optim class with the configured hyperparameters, and can step."""
     cfg = compose_config(f"optim={option}", "model=small_cnn", "model.channels=[4]")
-    model = instantiate(cfg.model, num_classes=3, in_channels=1)
+    model = build_model(cfg.model, num_classes=3, in_channels=1)
     optimizer = instantiate(optimizer_node(cfg.optim), params=model.parameters())
     assert type(optimizer) is OPTIMIZERS[option]
     group = optimizer.param_groups[0]

@@ -7,13 +7,13 @@ import subprocess
 
 import pytest
 import torch
-from hydra.utils import instantiate
 from omegaconf import OmegaConf
 
 from conftest import REPO, TINY, TORCHRUN, check, launch, load_last, load_results, run_dirs
 from data import build_datasets
 from ddp.env import DistEnv
 from ddp.loaders import build_val_loader
+from models import build_model
 from models.small_cnn import SmallCNN
 from train import evaluate
 from workers.evaluate_shards import evaluate_fixed_model
@@ -52,7 +52,7 @@ def test_reported_metrics_are_those_of_the_saved_model(plain_ddp_run):
     checkpoint, results = load_last(cwd), load_results(cwd)
     cfg = OmegaConf.create(checkpoint["config"])
     splits = build_datasets(cfg.data)
-    model = instantiate(cfg.model, num_classes=splits.num_classes, in_channels=splits.in_channels)
+    model = build_model(cfg.model, splits.num_classes, splits.in_channels)
     model.load_state_dict(checkpoint["model"], strict=True)
     metrics = evaluate(model, build_val_loader(splits.val, cfg.data, DistEnv(), pin_memory=False), torch.device("cpu"), -1)
     assert metrics["val_samples"] == results["val_samples"] == 37

@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 
-from conftest import TINY, TORCHRUN, TRAIN, check, run_dirs
+from conftest import TINY, TORCHRUN, TRAIN, check, job_dir, job_numbers, run_dirs
 from ddp.checkpoint import load_checkpoint
 from test_fault_tolerance import _clean_env, assert_bit_identical, last_checkpoint
 
@@ -142,9 +142,9 @@ def test_ctrl_c_in_a_sweep_marks_the_job_interrupted_and_starts_no_other(tmp_pat
     assert returncode == 130, stdout + stderr
     assert "Traceback" not in stdout + stderr
     (sweep,) = (tmp_path / "outputs" / "multirun").iterdir()
-    assert sorted(p.name for p in sweep.iterdir() if p.is_dir()) == ["0"]  # job 1 never started
+    assert job_numbers(sweep) == [0]  # job 1 never started
     with open(sweep / "summary.csv") as f:
         (row,) = csv.DictReader(f)
     assert (row["job"], row["status"]) == ("0", "interrupted")
     assert "sweep summary" in stdout and "interrupted" in stdout
-    assert last_checkpoint(sweep / "0")["global_step"] > 0
+    assert last_checkpoint(job_dir(sweep, 0))["global_step"] > 0

@@ -10,14 +10,17 @@ import pytest
 import torch
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
-from conftest import REPO, TINY, TORCHRUN, TRAIN, check, launch, load_last, load_results, run_dirs
+from conftest import REPO, TINY, TORCHRUN, TRAIN, check, launch, load_last, load_results, run_dirs, write_imagefolder
 from models.small_cnn import SmallCNN
 from test_fault_tolerance import _clean_env, assert_bit_identical, assert_same_state, last_checkpoint
 from test_update import cosine_with_warmup
 
-# Everything on, under 2-rank DDP: 8 micro-batches of 8 per rank and epoch, 2 per update: 4 updates
-# per epoch, 8 in all; a checkpoint and a log line every 2 updates.
-RECIPE = ["strategy=ddp", *TINY, "model.dropout=0.2", "data.augment=true", "data.num_workers=2", "precision=bf16",
+# Everything on, under 2-rank DDP, on a folder of 4 x 32 training PNGs read by 2 workers per rank:
+# 8 micro-batches of 8 per rank and epoch, 2 per update: 4 updates per epoch, 8 in all; a checkpoint
+# and a log line every 2 updates.
+RECIPE = ["strategy=ddp", *[arg for arg in TINY if not arg.startswith("data")], "data=imagefolder", "data.image_size=8",
+          "data.batch_size=8", "data.num_workers=2", "data.augment=randaugment", "data.random_erase=0.25",
+          "data.mixup_alpha=0.2", "data.cutmix_alpha=1.0", "trainer.label_smoothing=0.1", "model.dropout=0.2", "precision=bf16",
           "trainer.accumulate_grad_batches=2", "scheduler=cosine", "scheduler.warmup_steps=3", "trainer.gradient_clip_norm=1.0",
           "ema.decay=0.9", "channels_last=true", "checkpoint.every_n_steps=2"]
 INSTRUMENTED = REPO / "tests" / "workers" / "instrumented_train.py"
@@ -32,15 +35,24 @@ def instrumented(args: list[str], cwd):
 
 
 @pytest.fixture(scope="module")
-def recipe_run(tmp_path_factory):
+def recipe(tmp_path_factory) -> list[str]:
+    """RECIPE's arguments, with data.root at a generated ImageFolder tree."""
+    root = write_imagefolder(tmp_path_factory.mktemp("recipe_images"), classes=("a", "b", "c", "d"),
+                             per_class={"train": 32, "val": 9}, size=(12, 10))
+    return [*RECIPE, f"data.root={root}"]
+
+
+@pytest.fixture(scope="module")
+def recipe_run(recipe, tmp_path_factory):
     """The whole recipe, uninterrupted, watched for collectives and host reads: (cwd, watch dir)."""
     cwd = tmp_path_factory.mktemp("recipe")
-    return cwd, instrumented(RECIPE, cwd)
+    return cwd, instrumented(recipe, cwd)
 
 
 def test_everything_on_reports_the_recipe(recipe_run):
     results = load_results(recipe_run[0])
     assert (results["steps"], results["global_batch_size"], results["precision"]) == (8, 32, "bf16")
+    assert results["val_samples"] == 36 and results["val_accuracy"] > 0.5  # 4 classes: it learns through the mixing
     assert 0 <= results["val_ema_accuracy"] <= 1 and results["val_ema_loss"] > 0
     checkpoint = load_last(recipe_run[0])
     assert checkpoint["scheduler"]["last_epoch"] == 8 and int(checkpoint["ema"]["n_averaged"]) == 8
@@ -57,10 +69,11 @@ def test_everything_on_still_does_no_collective_or_host_read_on_quiet_updates(re
         assert any(step == 2 and name == "all_reduce" for step, name in events)
 
 
-def test_kill_and_resume_with_everything_on_is_bit_identical(recipe_run, tmp_path):
+def test_kill_and_resume_with_everything_on_is_bit_identical(recipe, recipe_run, tmp_path):
     """Rank 1 dies after update 5; the restarted workers resume from update 4: model, optimizer,
-    scheduler, scaler and EMA end exactly as in the uninterrupted run."""
-    command = [str(TORCHRUN), "--nproc_per_node=2", "--max-restarts=1", str(TRAIN), *RECIPE, "fault.kill_rank=1",
+    scheduler, scaler and EMA end exactly as in the uninterrupted run (RandAugment, random erasing,
+    MixUp/CutMix and dropout draw the same numbers again)."""
+    command = [str(TORCHRUN), "--nproc_per_node=2", "--max-restarts=1", str(TRAIN), *recipe, "fault.kill_rank=1",
                "fault.at_step=5"]
     check(subprocess.run(command, cwd=tmp_path, env=_clean_env(), capture_output=True, text=True, timeout=240))
     (run_dir,) = run_dirs(tmp_path)

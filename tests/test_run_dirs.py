@@ -9,13 +9,13 @@ import sys
 import time
 
 import torch
-from hydra.utils import instantiate
 from omegaconf import OmegaConf
 
-from conftest import TINY, TORCHRUN, TRAIN, check, launch, run_dirs
+from conftest import TINY, TORCHRUN, TRAIN, check, job_dir, job_numbers, launch, run_dirs
 from data import build_datasets
 from ddp.env import DistEnv
 from ddp.loaders import build_val_loader
+from models import build_model
 from test_fault_tolerance import _clean_env, assert_same_state, last_checkpoint
 from train import evaluate
 
@@ -32,7 +32,7 @@ def evaluate_checkpoint(run_dir) -> dict:
     checkpoint = last_checkpoint(run_dir)
     cfg = OmegaConf.create(checkpoint["config"])
     splits = build_datasets(cfg.data)
-    model = instantiate(cfg.model, num_classes=splits.num_classes, in_channels=splits.in_channels)
+    model = build_model(cfg.model, splits.num_classes, splits.in_channels)
     model.load_state_dict(checkpoint["model"], strict=True)
     return evaluate(model, build_val_loader(splits.val, cfg.data, DistEnv(), pin_memory=False), torch.device("cpu"), -1)
 
@@ -78,10 +78,10 @@ def test_two_sweeps_started_together_get_two_complete_sweep_dirs(tmp_path):
     sweeps = sorted((tmp_path / "outputs" / "multirun").iterdir())
     assert len(sweeps) == 2, sweeps
     for sweep in sweeps:
-        assert sorted(p.name for p in sweep.iterdir() if p.is_dir()) == ["0", "1"]
+        assert job_numbers(sweep) == [0, 1]
         assert len((sweep / "summary.csv").read_text().splitlines()) == 3  # header and two jobs
-        for job in ("0", "1"):
-            assert len(list((sweep / job).glob("events.out.tfevents*"))) == 1
+        for job in (0, 1):
+            assert len(list(job_dir(sweep, job).glob("events.out.tfevents*"))) == 1
 
 
 def test_resume_of_a_run_that_is_still_training_is_refused_and_the_run_goes_on_untouched(tmp_path):

@@ -9,9 +9,10 @@ from pathlib import Path
 import pytest
 import yaml
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+from tensorboard.backend.event_processing.event_multiplexer import EventMultiplexer
 from tensorboard.plugins.hparams import plugin_data_pb2
 
-from conftest import check, launch, run_dirs
+from conftest import check, job_dir, job_numbers, launch, run_dirs
 
 # One epoch of a narrow small_cnn on 128 tiny synthetic images: each job costs process start-up only.
 SMALL = [
@@ -43,7 +44,7 @@ def the_sweep_dir(cwd: Path) -> Path:
 
 
 def job_dirs(sweep_dir: Path) -> list[Path]:
-    return sorted((p for p in sweep_dir.iterdir() if p.is_dir()), key=lambda p: int(p.name))
+    return [job_dir(sweep_dir, job) for job in job_numbers(sweep_dir)]
 
 
 def summary_rows(sweep_dir: Path) -> list[dict]:
@@ -97,7 +98,7 @@ def assert_one_run_per_job_dir(cwd: Path, sweep_dir: Path, log_names: set[str]) 
     """Each job dir holds one run: rank 0's .hydra and events file, one log per process; nothing else
     under outputs/ (a torchrun launch's claims in outputs/.launches are gone once it ends)."""
     assert {p.name for p in (cwd / "outputs").iterdir()} == {"multirun"}
-    assert [p.name for p in job_dirs(sweep_dir)] == ["0", "1"]
+    assert job_numbers(sweep_dir) == [0, 1]
     assert sorted(p.parent for p in cwd.rglob(".hydra")) == job_dirs(sweep_dir)
     for job_dir in job_dirs(sweep_dir):
         assert len(list(job_dir.rglob("events.out.tfevents*"))) == 1, job_dir
@@ -121,7 +122,7 @@ def single_sweep(tmp_path_factory):
 
 def test_single_sweep_has_a_job_dir_per_job_and_a_summary_row_per_job(single_sweep):
     cwd, sweep_dir, result = single_sweep
-    assert [p.name for p in job_dirs(sweep_dir)] == ["0", "1"]
+    assert job_numbers(sweep_dir) == [0, 1]
     for job_dir in job_dirs(sweep_dir):
         assert (job_dir / "results.json").is_file() and (job_dir / ".hydra" / "config.yaml").is_file()
     assert_summary_matches_jobs(sweep_dir, world_size=1)
@@ -142,6 +143,14 @@ def test_single_sweep_jobs_each_log_their_hparams_in_the_job_dir(single_sweep):
         hparams = session_hparams(job_dir)
         assert hparams["strategy"] == "single"
         assert (hparams["batch_size"], hparams["global_batch_size"], hparams["world_size"]) == (batch_size, batch_size, 1)
+
+
+def test_tensorboard_names_each_sweep_run_after_its_swept_values(single_sweep):
+    """The job dirs are `<job>_<swept values>`, so TensorBoard's run names (legend, HParams table) say
+    which batch size each run had."""
+    _, sweep_dir, _ = single_sweep
+    runs = EventMultiplexer().AddRunsFromDirectory(str(sweep_dir)).Runs()
+    assert set(runs) == {f"{job}_data.batch_size={batch_size}" for job, batch_size in enumerate(BATCH_SIZES)}
 
 
 # --- 2. multirun of self-launched DDP ----------------------------------------------------------
@@ -187,8 +196,8 @@ def test_torchrun_sweep_stops_fast_when_a_job_fails_on_one_rank(tmp_path):
     assert "RuntimeError: injected fault: fault.raise_rank=1 at step 2" in text
     assert "Root Cause" in result.stderr
     sweep_dir = the_sweep_dir(tmp_path)
-    assert (sweep_dir / "0" / "results.json").is_file()  # the job before the failure finished
-    assert not (sweep_dir / "2").exists()  # the sweep stopped at the failing job
+    assert (job_dir(sweep_dir, 0) / "results.json").is_file()  # the job before the failure finished
+    assert 2 not in job_numbers(sweep_dir)  # the sweep stopped at the failing job
     finished, failed = summary_rows(sweep_dir)  # the failing job is in the summary too
     assert (finished["job"], finished["status"]) == ("0", "ok")
     assert failed["job"] == "1" and failed["status"].startswith("failed:"), failed
@@ -209,8 +218,8 @@ def test_plain_sweep_runs_the_other_jobs_and_reports_the_failed_one(tmp_path):
     assert failed["val_accuracy"] == "" and failed["best"] == "False"
     assert ok["job"] == "1" and "data.batch_size=16" in ok["overrides"].split()
     assert ok["status"] == "ok" and ok["best"] == "True"
-    assert float(ok["val_accuracy"]) == results_of(sweep_dir / "1")["val_accuracy"]
-    assert not (sweep_dir / "0" / "results.json").exists()
+    assert float(ok["val_accuracy"]) == results_of(job_dir(sweep_dir, 1))["val_accuracy"]
+    assert not (job_dir(sweep_dir, 0) / "results.json").exists()
     assert "sweep summary (" in result.stdout  # printed although Hydra ends the sweep with an error
 
 
@@ -223,7 +232,7 @@ def test_optuna_search_over_ddp_trials_every_rank_trains_the_sampled_values(tmp_
     sweep_dir = the_sweep_dir(tmp_path)
     rows = summary_rows(sweep_dir)
     assert [row["job"] for row in rows] == ["0", "1"]
-    assert [p.name for p in job_dirs(sweep_dir)] == ["0", "1"]
+    assert job_numbers(sweep_dir) == [0, 1]
     for row, job_dir in zip(rows, job_dirs(sweep_dir), strict=True):
         assert row["status"] == "ok", row
         rank0, rank1 = rank_log_line(job_dir, 0), rank_log_line(job_dir, 1)

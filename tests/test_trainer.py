@@ -7,11 +7,11 @@ import shutil
 
 import pytest
 import torch
+import torchvision
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
-from conftest import TINY, check, launch, load_last, load_results, run_dirs
+from conftest import TINY, check, job_dir, launch, load_last, load_results, run_dirs, write_imagefolder
 from models.resnet import build_resnet18
-from test_config_groups import write_imagefolder
 
 # 4 epochs of 3 batches (limit_train_batches), validation on 2 batches of 8 after epochs 3 and 4,
 # a checkpoint every 2 steps of which 2 are kept, every step in the warm-up, and the LR scaled by
@@ -110,7 +110,7 @@ def test_peak_memory_is_measured_per_run_in_a_multirun(tmp_path):
             "trainer.max_epochs=1", "trainer.limit_train_batches=2", "data.num_samples=20000,64"]
     check(launch(args, tmp_path))
     sweep = next((tmp_path / "outputs" / "multirun").iterdir())
-    big, small = (json.loads((sweep / str(job) / "results.json").read_text()) for job in (0, 1))
+    big, small = (json.loads((job_dir(sweep, job) / "results.json").read_text()) for job in (0, 1))
     assert big["peak_memory_device"] == small["peak_memory_device"] == "cpu"
     assert small["peak_memory_mb"] < big["peak_memory_mb"] - 400, (big["peak_memory_mb"], small["peak_memory_mb"])
 
@@ -124,12 +124,28 @@ def test_resnet18_trains_end_to_end(tmp_path):
     build_resnet18(num_classes=10, in_channels=3, small_input=True).load_state_dict(load_last(tmp_path)["model"], strict=True)
 
 
-def test_imagefolder_trains_end_to_end(tmp_path):
-    """A real folder of PNGs, read by two DataLoader workers."""
-    root = write_imagefolder(tmp_path / "images", classes=("cat", "dog", "eel"), per_class=4)
-    result = launch(["data=imagefolder", f"data.root={root}", "data.image_size=16", "data.batch_size=4",
-                     "data.num_workers=2", "model.channels=[8,16]", "trainer.max_epochs=2"], tmp_path)
-    check(result)
-    results = load_results(tmp_path)
-    assert (results["steps"], results["val_samples"]) == (6, 12)  # 12 images: 3 batches of 4, 2 epochs
-    assert load_last(tmp_path)["model"]["head.3.weight"].shape == (3, 16)  # one output per class folder
+def test_imagefolder_trains_a_pretrained_torchvision_model_and_evaluates_its_test_split(tmp_path):
+    """A real folder of PNGs (3 classes x 8 training images), read by two DataLoader workers with
+    TrivialAugment; resnet18 by name from local ImageNet-shaped weights, its 1000-class head skipped;
+    then mode=eval on the folder's test/ split."""
+    root = write_imagefolder(tmp_path / "images", classes=("cat", "dog", "eel"), per_class={"train": 8, "val": 4, "test": 5},
+                             splits=("train", "val", "test"))
+    weights = torchvision.models.resnet18(num_classes=1000).state_dict()
+    torch.save(weights, tmp_path / "resnet18_imagenet.pth")
+    data = ["data=imagefolder", f"data.root={root}", "data.image_size=32", "data.batch_size=4", "data.num_workers=2"]
+    (tmp_path / "train").mkdir(), (tmp_path / "eval").mkdir()
+    check(launch([*data, "data.augment=trivialaugment", "model=torchvision", "model.name=resnet18",
+                  f"model.weights_path={tmp_path / 'resnet18_imagenet.pth'}", "trainer.max_epochs=2"], tmp_path / "train"))
+    results = load_results(tmp_path / "train")
+    assert (results["steps"], results["val_samples"]) == (12, 12)  # 24 images: 6 batches of 4, 2 epochs
+    (run_dir,) = run_dirs(tmp_path / "train")
+    assert "skipped the classifier head ['fc.bias', 'fc.weight']" in (run_dir / "train_rank0.log").read_text()
+    trained = load_last(tmp_path / "train")["model"]
+    assert trained["fc.weight"].shape == (3, 512)  # one output per class folder
+    assert not torch.equal(trained["layer4.1.bn2.weight"], weights["layer4.1.bn2.weight"])  # loaded, then trained
+
+    check(launch([*data, "data.num_workers=0", "mode=eval", f"resume={run_dir}", "data.split=test"], tmp_path / "eval"))
+    (eval_dir,) = run_dirs(tmp_path / "eval")
+    evaluated = json.loads((eval_dir / "eval.json").read_text())
+    assert (evaluated["split"], evaluated["test_samples"], evaluated["step"]) == ("test", 15, 12)
+    assert 0 <= evaluated["test_accuracy"] <= 1

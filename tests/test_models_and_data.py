@@ -1,0 +1,239 @@
+"""Real models and real data: torchvision and timm models by name, local pretrained weights, the
+standard train and eval transforms, MixUp/CutMix and label smoothing, and mode=eval on a checkpoint."""
+
+import json
+import logging
+
+import pytest
+import torch
+import torch.nn.functional as F
+import torchvision
+from hydra import compose, initialize_config_dir
+from PIL import Image
+from safetensors.torch import save_file
+
+from conftest import REPO, TINY, check, launch, load_results, run_dirs, write_imagefolder
+from data import build_datasets
+from data.mix import build_batch_mix
+from data.presets import AUGMENTS, cifar10_transforms, imagefolder_transforms
+from ddp.config import ConfigError, register_configs
+from ddp.env import DistEnv
+from ddp.loaders import build_train_loader, start_epoch
+from ddp.run_dir import _job_dir_name, register_resolvers
+from ddp.update import UpdateStep
+from models import build_model
+
+register_configs()
+register_resolvers()
+CPU = torch.device("cpu")
+
+
+def compose_config(*overrides: str):
+    with initialize_config_dir(config_dir=str(REPO / "conf"), version_base="1.3"):
+        return compose("config", overrides=list(overrides))
+
+
+# --- models by name --------------------------------------------------------------------------
+
+ZOO = {
+    "torchvision resnet50": ["model=torchvision", "model.name=resnet50"],
+    "torchvision convnext_tiny": ["model=torchvision", "model.name=convnext_tiny"],
+    "torchvision vit_b_16": ["model=torchvision", "model.name=vit_b_16", "+model.kwargs.image_size=32"],
+    "torchvision mobilenet_v3_small": ["model=torchvision", "model.name=mobilenet_v3_small"],
+    "timm resnet10t": ["model=timm", "model.name=resnet10t", "model.drop_path_rate=0.1"],
+    "timm vit_tiny_patch16_224": ["model=timm", "model.name=vit_tiny_patch16_224", "+model.kwargs.img_size=32"],
+}
+
+
+@pytest.mark.parametrize("overrides", ZOO.values(), ids=ZOO.keys())
+def test_a_model_by_name_builds_and_trains_one_step(overrides):
+    """Built from its name with the data's classes and channels (1 here: the stem adapts), two
+    optimizer updates on a tiny batch (a ViT's head starts at zero, so the first trains only the
+    head) give finite losses and change most of the weights."""
+    torch.manual_seed(0)
+    model = build_model(compose_config(*overrides).model, num_classes=5, in_channels=1)
+    before = {name: p.detach().clone() for name, p in model.named_parameters()}
+    update = UpdateStep(model, torch.optim.SGD(model.parameters(), lr=0.1), device=CPU, precision="32")
+    for _ in range(2):
+        loss = update.micro_step(torch.randn(2, 1, 32, 32), torch.tensor([0, 4]), micro_index=0, group_size=1)
+        assert torch.isfinite(loss)
+    assert model(torch.randn(2, 1, 32, 32)).shape == (2, 5)
+    unchanged = [name for name, p in model.named_parameters() if torch.equal(p, before[name])]
+    assert len(unchanged) < len(before) / 2, unchanged
+
+
+def test_small_input_stem_keeps_32px_images_whole():
+    """resnet-style models: a 3x3 stride-1 stem without the max-pool, so the last stage still sees 4x4."""
+    model = build_model(compose_config("model=torchvision", "model.name=resnet50", "model.small_input=true").model, 10, 3)
+    features = torch.nn.Sequential(*list(model.children())[:-2])
+    assert features(torch.randn(1, 3, 32, 32)).shape[-2:] == (4, 4)
+    assert isinstance(model.maxpool, torch.nn.Identity) and model.conv1.kernel_size == (3, 3)
+
+
+# --- local weights ----------------------------------------------------------------------------
+
+def torchvision_resnet18(weights_path, num_classes: int = 10):
+    overrides = ["model=torchvision", "model.name=resnet18", f"model.weights_path={weights_path}"]
+    return build_model(compose_config(*overrides).model, num_classes=num_classes, in_channels=3)
+
+
+def test_a_torchvision_state_dict_loads_into_model_torchvision(tmp_path):
+    reference = torchvision.models.resnet18(num_classes=10)
+    torch.save(reference.state_dict(), tmp_path / "resnet18.pth")
+    loaded = torchvision_resnet18(tmp_path / "resnet18.pth").state_dict()
+    assert all(torch.equal(loaded[key], value) for key, value in reference.state_dict().items())
+
+
+def test_the_head_is_skipped_and_logged_when_num_classes_differs(tmp_path, caplog):
+    reference = torchvision.models.resnet18(num_classes=1000)
+    torch.save(reference.state_dict(), tmp_path / "imagenet.pth")
+    with caplog.at_level(logging.WARNING):
+        loaded = torchvision_resnet18(tmp_path / "imagenet.pth", num_classes=7).state_dict()
+    assert "skipped the classifier head ['fc.bias', 'fc.weight']" in caplog.text
+    assert loaded["fc.weight"].shape == (7, 512)
+    assert all(torch.equal(loaded[key], value) for key, value in reference.state_dict().items() if not key.startswith("fc."))
+
+
+def test_safetensors_weights_load(tmp_path):
+    reference = torchvision.models.resnet18(num_classes=10)
+    save_file(reference.state_dict(), tmp_path / "resnet18.safetensors")
+    loaded = torchvision_resnet18(tmp_path / "resnet18.safetensors").state_dict()
+    assert all(torch.equal(loaded[key], value) for key, value in reference.state_dict().items())
+
+
+def test_our_own_checkpoint_gives_its_model_weights(single_run):
+    """A run's last.pt as model.weights_path: its `model` entry, into a fresh model of the same config."""
+    (run_dir,) = run_dirs(single_run[0])
+    checkpoint = torch.load(run_dir / "checkpoints" / "last.pt", weights_only=True)
+    cfg = compose_config("model.channels=[8,16]", f"model.weights_path={run_dir / 'checkpoints' / 'last.pt'}")
+    loaded = build_model(cfg.model, num_classes=10, in_channels=3).state_dict()
+    assert all(torch.equal(loaded[key], value) for key, value in checkpoint["model"].items())
+
+
+def test_a_pickled_object_is_refused_and_never_run(tmp_path):
+    torch.save(torchvision.models.resnet18(num_classes=10), tmp_path / "whole_model.pth")
+    with pytest.raises(ConfigError, match="refused, it holds pickled objects"):
+        torchvision_resnet18(tmp_path / "whole_model.pth")
+
+
+# --- transforms -------------------------------------------------------------------------------
+
+def first_batch(dataset, data_cfg, rank: int, epoch: int) -> torch.Tensor:
+    loader = build_train_loader(dataset, data_cfg, DistEnv(rank=rank, world_size=2), seed=0, pin_memory=False)
+    start_epoch(loader, epoch, seed=0, rank=rank)
+    return next(iter(loader))[0]
+
+
+def test_train_augmentation_differs_across_epochs_and_ranks_and_repeats_exactly(tmp_path):
+    """Eight copies of one image, read by 2 workers: each (rank, epoch) augments them differently, the
+    same (rank, epoch) again gives the same pixels (exact resume relies on it), and the eval
+    transform of the image is always the same."""
+    image = tmp_path / "one.png"
+    write_imagefolder(tmp_path / "source", classes=("a",), per_class=1, splits=("x",), size=(40, 36))
+    (tmp_path / "source" / "x" / "a" / "0.png").rename(image)
+    for split in ("train", "val"):
+        (tmp_path / "tree" / split / "a").mkdir(parents=True)
+        for i in range(8):
+            (tmp_path / "tree" / split / "a" / f"{i}.png").symlink_to(image)
+    cfg = compose_config("data=imagefolder", f"data.root={tmp_path / 'tree'}", "data.image_size=16", "data.augment=randaugment",
+                         "data.random_erase=0.5", "data.num_workers=2", "data.batch_size=4")
+    splits = build_datasets(cfg.data)
+    batches = {(rank, epoch): first_batch(splits.train, cfg.data, rank, epoch) for rank in (0, 1) for epoch in (0, 1)}
+    assert batches[0, 0].shape == (4, 3, 16, 16)
+    pairs = list(batches.values())
+    assert all(not torch.equal(a, b) for i, a in enumerate(pairs) for b in pairs[i + 1:])
+    assert torch.equal(first_batch(splits.train, cfg.data, 1, 1), batches[1, 1])
+    assert torch.equal(splits.val[0][0], splits.val[1][0]) and torch.equal(splits.val[0][0], splits.val[0][0])
+
+
+@pytest.mark.parametrize("augment", AUGMENTS)
+def test_every_preset_gives_normalised_crops_of_the_configured_size(augment):
+    image = Image.new("RGB", (50, 40), color=(120, 30, 200))
+    train, evaluate = imagefolder_transforms(24, augment, random_erase=0.25, interpolation="bicubic")
+    assert train(image).shape == evaluate(image).shape == (3, 24, 24)
+    train, evaluate = cifar10_transforms(augment, random_erase=0.25, interpolation="bilinear")
+    cifar_image = image.resize((32, 32))
+    assert train(cifar_image).shape == (3, 32, 32) and train(cifar_image).dtype == torch.float32
+    assert torch.equal(evaluate(cifar_image), evaluate(cifar_image))
+
+
+def test_eval_resizes_to_crop_over_0_875_then_centre_crops():
+    """The ImageNet convention: a 224 crop comes from the image resized to 256 on its short side."""
+    _, evaluate = imagefolder_transforms(224, "standard", random_erase=0.0, interpolation="bilinear")
+    resize, crop = evaluate.transforms[:2]
+    assert (list(resize.size), list(crop.size)) == ([256], [224, 224])
+
+
+# --- loss-side regularisation -----------------------------------------------------------------
+
+@pytest.mark.parametrize("mixup_alpha, cutmix_alpha", [(0.2, 0.0), (0.0, 1.0), (0.2, 1.0)])
+def test_mixed_batches_train_on_soft_targets_with_label_smoothing(mixup_alpha, cutmix_alpha):
+    """The update's loss is the label-smoothed cross-entropy of the mixed images against the mixed
+    (soft) targets, drawn from torch's RNG as seeded."""
+    model = torch.nn.Sequential(torch.nn.Flatten(), torch.nn.Linear(3 * 8 * 8, 4))
+    images, labels = torch.randn(6, 3, 8, 8), torch.tensor([0, 1, 2, 3, 0, 1])
+    mix = build_batch_mix(mixup_alpha, cutmix_alpha, num_classes=4)
+    torch.manual_seed(5)
+    mixed, targets = mix(images, labels)
+    assert targets.shape == (6, 4) and torch.allclose(targets.sum(dim=1), torch.ones(6))
+    assert not torch.equal(targets, F.one_hot(labels, 4).float())  # soft, not the hard labels
+    expected = F.cross_entropy(model(mixed), targets, label_smoothing=0.1)
+    update = UpdateStep(model, torch.optim.SGD(model.parameters(), lr=0.0), device=CPU, precision="32",
+                        label_smoothing=0.1, batch_mix=mix)
+    torch.manual_seed(5)
+    assert torch.equal(update.micro_step(images, labels, micro_index=0, group_size=1), expected.detach())
+
+
+def test_no_mixing_by_default():
+    assert build_batch_mix(0.0, 0.0, num_classes=4) is None
+
+
+# --- sweeps name their runs -------------------------------------------------------------------
+
+def test_a_sweep_job_dir_is_named_after_its_swept_values_and_fits_a_file_name(monkeypatch):
+    monkeypatch.setattr("sys.argv", ["train.py", "-m", "data=synthetic", "data.batch_size=16,32", "optim.lr=0.1,0.2"])
+    task = ["data=synthetic", "data.batch_size=16", "optim.lr=0.1"]
+    assert _job_dir_name(0, task) == "0_data.batch_size=16,optim.lr=0.1"
+    monkeypatch.setattr("sys.argv", ["train.py", "-m", "hparams_search=optuna"])  # the sweeper picks the values
+    assert _job_dir_name(3, ["optim.lr=0.05", "data.root=/datasets/imagenet"]) == "3_data.root=_datasets_imagenet,optim.lr=0.05"
+    assert len(_job_dir_name(12, ["x" * 300])) == 120
+
+
+# --- mode=eval --------------------------------------------------------------------------------
+
+EVAL = ["mode=eval", *[arg for arg in TINY if arg.startswith("data")]]
+
+
+@pytest.fixture(scope="module")
+def evaluated(plain_ddp_run, tmp_path_factory):
+    """plain_ddp_run's checkpoint (2-rank DDP, no SyncBN) evaluated by 1 process and by 3 ranks."""
+    cwd, _ = plain_ddp_run
+    (trained,) = run_dirs(cwd)
+    checkpoint_mtime = (trained / "checkpoints" / "last.pt").stat().st_mtime_ns
+    runs = {}
+    for nproc, strategy in ((None, "single"), (3, "ddp")):
+        eval_cwd = tmp_path_factory.mktemp(f"eval_{strategy}")
+        check(launch([*EVAL, f"strategy={strategy}", f"resume={trained}"], eval_cwd, nproc=nproc))
+        (run_dir,) = run_dirs(eval_cwd)
+        runs[strategy] = run_dir
+    return trained, checkpoint_mtime, runs
+
+
+def test_eval_of_a_checkpoint_is_exact_for_any_world_size_and_matches_training(evaluated):
+    trained, _, runs = evaluated
+    single, three_ranks = (json.loads((runs[s] / "eval.json").read_text()) for s in ("single", "ddp"))
+    training = load_results(trained.parents[1])
+    assert (single["world_size"], three_ranks["world_size"]) == (1, 3)
+    assert single["val_samples"] == three_ranks["val_samples"] == training["val_samples"] == 37
+    assert single["val_accuracy"] == three_ranks["val_accuracy"] == training["val_accuracy"]
+    for result in (single, three_ranks):  # float32 loss sums over other batch groupings
+        assert result["val_loss"] == pytest.approx(training["val_loss"], rel=1e-6)
+        assert result["step"] == training["steps"] and result["checkpoint"].endswith("last.pt")
+
+
+def test_eval_writes_a_new_run_dir_and_no_checkpoint(evaluated):
+    trained, checkpoint_mtime, runs = evaluated
+    for run_dir in runs.values():
+        assert run_dir != trained
+        assert not (run_dir / "checkpoints").exists() and not list(run_dir.rglob("events.out.tfevents*"))
+    assert (trained / "checkpoints" / "last.pt").stat().st_mtime_ns == checkpoint_mtime
