@@ -41,8 +41,8 @@ gpu-check: ## The CUDA paths in one short run on one GPU; without one it says so
 sweep: install ## A batch-size sweep on CPU: 3 jobs of self-launched DDP on 2 processes; prints the summary
 	$(PY) train.py -m strategy=ddp strategy.nproc_per_node=2 trainer.max_epochs=3 data.batch_size=16,32,64
 
-bench: install ## Throughput side by side in one sweep: single, dp, DDP x2 with and without SyncBN (summary: samples_per_s)
-	$(PY) train.py -m strategy=single,dp,ddp strategy.nproc_per_node=2 syncbn=false,true data=synthetic data.num_samples=4096 data.image_size=16 data.batch_size=32 trainer.max_epochs=1 trainer.warmup_steps=5
+bench: install ## train.py against a plain hand-written DDP loop, side by side: table, ratios and plot in benchmarks/results/ (BENCH_QUICK=1: a tiny version)
+	$(PY) benchmarks/bench.py
 
 tensorboard: install ## Serve outputs/ on http://127.0.0.1:6006
 	$(VENV)/bin/tensorboard --logdir outputs --host 127.0.0.1 --port 6006

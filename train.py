@@ -41,6 +41,7 @@ from ddp.preemption import Interrupted, StopOnSignal, resume_command
 from ddp.process_group import (
     all_reduce_sum,
     broadcast_buffers_from_rank_zero,
+    gather_per_rank,
     process_group,
     replicas_identical,
     resolve_backend,
@@ -97,6 +98,7 @@ def train_one_epoch(update, batches, position, length, log_every_n_steps, world_
                 writer.add_scalar("train/grad_norm", update.grad_norm.item(), position.global_step)
             samples = (position.global_step - logged_step) * length.global_batch
             writer.add_scalar("train/samples_per_s", samples / (now - logged_at), position.global_step)
+            writer.add_scalar("train/samples_per_s_per_rank", samples / (now - logged_at) / world_size, position.global_step)
             logged_step, logged_at = position.global_step, now
         epoch_ends = position.batch_in_epoch == length.batches_per_epoch or position.global_step >= length.total_updates
         after_update(group_samples * world_size, epoch_ends)
@@ -326,6 +328,11 @@ def fit(cfg: DictConfig, env: DistEnv, device: torch.device, gpus: list[int], me
         inject_fault(cfg.fault, env.rank, position.global_step)
         if position.global_step % trainer.log_every_n_steps == 0 or epoch_ends:  # where the loop waits anyway
             update.check_finite(position.global_step)
+        if position.global_step % trainer.log_every_n_steps == 0:
+            # each rank's share of the window spent waiting for data; one all_gather, at log steps only
+            waits = [rank[0] for rank in gather_per_rank([meter.window_data_wait()], device)]
+            writer.add_scalar("perf/data_wait_fraction", sum(waits) / world_size, position.global_step)
+            writer.add_scalar("perf/data_wait_fraction_max", max(waits), position.global_step)
         if signum := stopper.stop_now(position.global_step, epoch_ends, device):
             save()
             stopper.saved_step = position.global_step
@@ -348,7 +355,7 @@ def fit(cfg: DictConfig, env: DistEnv, device: torch.device, gpus: list[int], me
             epoch_started = time.perf_counter()
             start_epoch(train_loader, position.epoch, cfg.seed, env.rank)
             restore = (lambda state=rank_state: restore_rank_state(state, gpus)) if rank_state else None
-            batches = iterate_from(train_loader, position.batch_in_epoch, on_resume=restore)
+            batches = meter.timed(iterate_from(train_loader, position.batch_in_epoch, on_resume=restore))
             rank_state = None
             meter.resume()
             train_one_epoch(update, batches, position, length, trainer.log_every_n_steps, world_size, writer, after_update)
@@ -382,6 +389,7 @@ def fit(cfg: DictConfig, env: DistEnv, device: torch.device, gpus: list[int], me
         if saved["step"] != position.global_step:
             save()
     peak_mb, peak_device = peak_memory(gpus, memory_reset)
+    per_rank = gather_per_rank([meter.data_wait_fraction, peak_mb], device)  # (data wait, peak memory) of every rank
     results = {
         **metrics,
         "steps": position.global_step,
@@ -395,10 +403,13 @@ def fit(cfg: DictConfig, env: DistEnv, device: torch.device, gpus: list[int], me
         "lr": lr,
         "precision": cfg.precision,
         "samples_per_s": meter.samples_per_s,
+        "samples_per_s_per_rank": meter.samples_per_s / world_size if meter.samples_per_s else None,
+        "data_wait_fraction_per_rank": [rank[0] for rank in per_rank],
         "train_time_s": meter.seconds,
         "wall_s": wall_s,
         "peak_memory_mb": peak_mb,
         "peak_memory_device": peak_device,
+        "peak_memory_mb_per_rank": [rank[1] for rank in per_rank],
         "replicas_identical": replicas_identical(raw_model, include_buffers=True),
     }
     if not results["replicas_identical"]:

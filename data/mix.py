@@ -6,18 +6,19 @@ seeded per rank: each rank mixes differently, and a checkpoint's RNG state resum
 from collections.abc import Callable
 
 import torch
-from torchvision.transforms import v2
 
 BatchMix = Callable[[torch.Tensor, torch.Tensor], tuple[torch.Tensor, torch.Tensor]]
 
 
 def build_batch_mix(mixup_alpha: float, cutmix_alpha: float, num_classes: int) -> BatchMix | None:
     """(images, labels) -> (mixed images, soft targets), or None when both alphas are 0."""
+    if mixup_alpha == 0 and cutmix_alpha == 0:
+        return None
+    from torchvision.transforms import v2  # only when mixing: importing torchvision costs every run a second
+
     mixes = []
     if mixup_alpha > 0:
         mixes.append(v2.MixUp(alpha=mixup_alpha, num_classes=num_classes))
     if cutmix_alpha > 0:
         mixes.append(v2.CutMix(alpha=cutmix_alpha, num_classes=num_classes))
-    if not mixes:
-        return None
     return mixes[0] if len(mixes) == 1 else v2.RandomChoice(mixes)

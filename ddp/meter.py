@@ -1,14 +1,17 @@
-"""What a run measures about itself: steady-state training throughput and peak memory, both per run."""
+"""What a run measures about itself: steady-state training throughput, the time spent waiting for
+data, and peak memory, all per run."""
 
 import resource
 import time
+from collections.abc import Iterable, Iterator
 from pathlib import Path
 
 import torch
 
 
 class ThroughputMeter:
-    """Global samples per second over training steps only.
+    """Global samples per second over training steps only, and the share of those steps' time spent
+    waiting for the next batch.
 
     The clock starts once this process has done `warmup_steps` steps and runs only while training:
     the loop pauses it for evaluation, checkpoints and epoch-end work. On CUDA it is read after
@@ -22,6 +25,8 @@ class ThroughputMeter:
         self.samples = 0
         self.seconds = 0.0
         self.running_since: float | None = None
+        self.wait_seconds = 0.0  # of `seconds`, spent waiting for the next batch
+        self._window_start = (0.0, 0.0)  # (seconds, wait_seconds) at the last `window_data_wait()`
 
     def _now(self) -> float:
         if self.device.type == "cuda":
@@ -44,9 +49,38 @@ class ThroughputMeter:
         elif self.steps == self.warmup_steps:
             self.resume()
 
+    def timed(self, batches: Iterable) -> Iterator:
+        """`batches`, with the time each takes to arrive counted as data wait (while the clock runs)."""
+        iterator = iter(batches)
+        while True:
+            asked = time.perf_counter()
+            try:
+                item = next(iterator)
+            except StopIteration:
+                return
+            if self.running_since is not None:
+                self.wait_seconds += time.perf_counter() - asked
+            yield item
+
+    def _elapsed(self) -> float:
+        return self.seconds + (time.perf_counter() - self.running_since if self.running_since is not None else 0.0)
+
+    def window_data_wait(self) -> float:
+        """The share of this process's timed training time since the last call spent waiting for the
+        next batch (0 in the warm-up). Read it where the loop has waited for the device (log steps)."""
+        now = (self._elapsed(), self.wait_seconds)
+        seconds, wait = now[0] - self._window_start[0], now[1] - self._window_start[1]
+        self._window_start = now
+        return wait / seconds if seconds else 0.0
+
     @property
     def samples_per_s(self) -> float | None:
         return self.samples / self.seconds if self.samples else None
+
+    @property
+    def data_wait_fraction(self) -> float:
+        """The share of all timed training time spent waiting for the next batch: high means raise num_workers."""
+        return self.wait_seconds / self.seconds if self.seconds else 0.0
 
 
 _CLEAR_REFS, _STATUS = Path("/proc/self/clear_refs"), Path("/proc/self/status")
@@ -76,3 +110,4 @@ def peak_memory(cuda_devices: list[int], reset: bool) -> tuple[float, str]:
         high_water = next(line for line in _STATUS.read_text().splitlines() if line.startswith("VmHWM:"))
         return int(high_water.split()[1]) / 1024, "cpu"
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024, "cpu (process lifetime)"
+

@@ -81,6 +81,16 @@ def all_reduce_sum(tensor: torch.Tensor) -> torch.Tensor:
     return tensor
 
 
+def gather_per_rank(values: list[float], device: torch.device) -> list[list[float]]:
+    """Every rank's `values`, in rank order, on every rank (one all_gather; [values] for one process)."""
+    local = torch.tensor(values, dtype=torch.float64, device=device)
+    if not (dist.is_available() and dist.is_initialized()):
+        return [local.tolist()]
+    gathered = [torch.empty_like(local) for _ in range(dist.get_world_size())]
+    dist.all_gather(gathered, local)
+    return torch.stack(gathered).tolist()
+
+
 def broadcast_buffers_from_rank_zero(module: torch.nn.Module) -> None:
     """Give every rank rank 0's buffers (BatchNorm running stats), the ones its checkpoint holds.
 

@@ -6,9 +6,6 @@ import os
 from pathlib import Path
 from typing import Any
 
-from torch.utils.tensorboard import SummaryWriter
-from torch.utils.tensorboard.summary import hparams
-
 from ddp.env import DistEnv
 
 
@@ -25,8 +22,12 @@ class RankZeroWriter:
     """A TensorBoard SummaryWriter on rank 0 and a no-op elsewhere, so other ranks write no event files."""
 
     def __init__(self, log_dir: Path, env: DistEnv, purge_step: int | None = None):
-        # purge_step: a resumed run drops the events the interrupted one logged after its checkpoint.
-        self.writer = SummaryWriter(log_dir=str(log_dir), purge_step=purge_step) if env.is_main else None
+        self.writer = None
+        if env.is_main:  # imported here, on rank 0 only: the import is a noticeable part of start-up
+            from torch.utils.tensorboard import SummaryWriter
+
+            # purge_step: a resumed run drops the events the interrupted one logged after its checkpoint.
+            self.writer = SummaryWriter(log_dir=str(log_dir), purge_step=purge_step)
 
     def add_scalar(self, tag: str, value: float, step: int) -> None:
         if self.writer is not None:
@@ -37,6 +38,8 @@ class RankZeroWriter:
         timestamped subdir; so every job of a sweep shows as one row of one HParams table."""
         if self.writer is None:
             return
+        from torch.utils.tensorboard.summary import hparams
+
         file_writer = self.writer._get_file_writer()
         for summary in hparams(hparam_dict, metric_dict):
             file_writer.add_summary(summary)

@@ -3,13 +3,16 @@
 torch's ``nn.SyncBatchNorm`` is CUDA-only: its training forward raises on CPU
 tensors and ``DistributedDataParallel`` rejects CPU modules containing it. So
 this is a separate ``_BatchNorm`` (deliberately *not* an ``nn.SyncBatchNorm``)
-that computes batch statistics over all ranks with plain ``all_reduce`` calls.
+that computes batch statistics over all ranks with plain collectives: one
+``all_gather`` in the forward, one ``all_reduce`` in the backward, as torch's
+CUDA version does.
 """
 
 import logging
 
 import torch
 import torch.distributed as dist
+import torch.nn.functional as F
 from torch import nn
 from torch.nn.modules.batchnorm import _BatchNorm
 
@@ -25,47 +28,62 @@ def _per_channel(t, x):
 
 
 def _global_stats(x, group):
-    """Mean, biased variance (float64) and element count per channel over all ranks."""
-    dims = _reduce_dims(x)
-    # One all_reduce for the sums and the count; float64 keeps large counts exact.
-    count = x.new_tensor([x.numel() // x.shape[1]], dtype=torch.float64)
-    stats = torch.cat([x.sum(dims, dtype=torch.float64), count])
-    dist.all_reduce(stats, group=group)
-    count = stats[-1].item()
-    mean = stats[:-1] / count
-    # Second pass over (x - mean) rather than E[x^2] - E[x]^2, which cancels badly.
-    sq = (x - _per_channel(mean.to(x.dtype), x)).pow(2).sum(dims, dtype=torch.float64)
-    dist.all_reduce(sq, group=group)
-    return mean, sq / count, count
+    """Mean, biased variance (float64) and element count per channel over all ranks, in one collective.
+
+    Each rank computes its own count, mean and M2 (sum of squared deviations from its own mean, with
+    torch's var_mean rather than E[x^2] - E[x]^2, which cancels badly for large means); all ranks
+    gather them and combine them with Chan et al.'s parallel formula, as torch's CUDA SyncBN does
+    (batch_norm_gather_stats_with_counts).
+    """
+    count = x.numel() // x.shape[1]
+    if count:
+        local_var, local_mean = torch.var_mean(x, dim=_reduce_dims(x), correction=0)
+    else:  # an empty batch on this rank: it adds nothing
+        local_var = local_mean = x.new_zeros(x.shape[1])
+    local = torch.cat([torch.tensor([count], dtype=torch.float64), local_mean.double(), local_var.double() * count])
+    gathered = [torch.empty_like(local) for _ in range(dist.get_world_size(group))]
+    dist.all_gather(gathered, local, group=group)
+    counts, means, m2s = torch.stack(gathered).split([1, x.shape[1], x.shape[1]], dim=1)
+    total = counts.sum()
+    mean = (counts * means).sum(0) / total
+    m2 = (m2s + counts * (means - mean).pow(2)).sum(0)
+    total = total.item()
+    return mean, m2 / total, total
 
 
 class _SyncBatchNormFn(torch.autograd.Function):
+    """Normalisation with given global statistics, by torch's fused BatchNorm kernels; the backward
+    adds the gradient through the statistics, which needs two sums over all ranks' batches."""
+
     @staticmethod
-    def forward(ctx, x, weight, bias, mean, invstd, count, group):
-        xhat = (x - _per_channel(mean, x)) * _per_channel(invstd, x)
-        y = xhat if weight is None else xhat * _per_channel(weight, x)
-        y = y if bias is None else y + _per_channel(bias, x)
-        ctx.save_for_backward(xhat, invstd, weight)
+    def forward(ctx, x, weight, bias, mean, var, eps, count, group):
+        invstd = torch.rsqrt(var + eps)
+        ctx.save_for_backward(x, weight, mean, invstd)
         ctx.count, ctx.group, ctx.has_bias = count, group, bias is not None
-        return y
+        return F.batch_norm(x, mean, var, weight, bias, training=False, eps=eps)
 
     @staticmethod
     def backward(ctx, dy):
-        xhat, invstd, weight = ctx.saved_tensors
-        dims = _reduce_dims(dy)
-        sum_dy, sum_dy_xhat = dy.sum(dims), (dy * xhat).sum(dims)
+        x, weight, mean, invstd = ctx.saved_tensors
+        dy = dy.contiguous()
+        ones = torch.ones_like(mean) if weight is None else weight
+        # this rank's sum(dy) and sum(dy * xhat) per channel, from torch's fused backward kernel
+        _, sum_dy_xhat, sum_dy = torch.ops.aten.native_batch_norm_backward(
+            dy, x, ones, None, None, mean, invstd, True, 0.0, [False, True, True])
         dx = None
         if ctx.needs_input_grad[0]:
-            # The batch stats depend on every rank's input, so dx needs the global sums.
+            # The batch stats depend on every rank's input, so dx needs the global sums:
+            # dx = (dy - mean(dy) - xhat * mean(dy * xhat)) * invstd * weight
             sums = torch.cat([sum_dy, sum_dy_xhat])
             dist.all_reduce(sums, group=ctx.group)
             g_dy, g_dy_xhat = (s / ctx.count for s in sums.chunk(2))
-            scale = invstd if weight is None else invstd * weight
-            dx = (dy - _per_channel(g_dy, dy) - xhat * _per_channel(g_dy_xhat, dy)) * _per_channel(scale, dy)
+            scale = invstd * ones
+            dx = torch.addcmul(_per_channel(-g_dy * scale, dy), dy, _per_channel(scale, dy))
+            dx.addcmul_(x - _per_channel(mean, x), _per_channel(-g_dy_xhat * invstd * scale, x))
         # Parameter grads stay local: DistributedDataParallel averages them across ranks.
         dw = sum_dy_xhat if weight is not None and ctx.needs_input_grad[1] else None
         db = sum_dy if ctx.has_bias and ctx.needs_input_grad[2] else None
-        return dx, dw, db, None, None, None, None
+        return dx, dw, db, None, None, None, None, None
 
 
 class CPUSyncBatchNorm(_BatchNorm):
@@ -104,9 +122,8 @@ class CPUSyncBatchNorm(_BatchNorm):
                 unbiased = var * count / (count - 1)
                 self.running_mean.mul_(1 - factor).add_(mean.to(self.running_mean.dtype), alpha=factor)
                 self.running_var.mul_(1 - factor).add_(unbiased.to(self.running_var.dtype), alpha=factor)
-        invstd = torch.rsqrt(var + self.eps).to(input.dtype)
-        return _SyncBatchNormFn.apply(input, self.weight, self.bias, mean.to(input.dtype), invstd, count,
-                                      self.process_group)
+        return _SyncBatchNormFn.apply(input, self.weight, self.bias, mean.to(input.dtype), var.to(input.dtype), self.eps,
+                                      count, self.process_group)
 
     @classmethod
     def convert_sync_batchnorm(cls, module, process_group=None):
@@ -137,8 +154,15 @@ def convert_syncbn(model: nn.Module, device: torch.device) -> nn.Module:
     CUDA gets torch's fused ``nn.SyncBatchNorm``; everything else gets
     ``CPUSyncBatchNorm``, because torch's version (and DDP with it) refuses CPU modules.
     """
-    sync_class = nn.SyncBatchNorm if torch.device(device).type == "cuda" else CPUSyncBatchNorm
-    model = sync_class.convert_sync_batchnorm(model)
+    if torch.device(device).type == "cuda":
+        sync_class, group = nn.SyncBatchNorm, None
+    else:
+        # A group of its own (a collective: every rank converts): gloo runs one group's collectives
+        # one at a time, so on DDP's group each backward all_reduce here would queue behind the
+        # gradient buckets DDP is reducing meanwhile, and compute would stop overlapping them.
+        sync_class = CPUSyncBatchNorm
+        group = dist.new_group() if dist.is_available() and dist.is_initialized() else None
+    model = sync_class.convert_sync_batchnorm(model, group)
     converted = sum(isinstance(module, sync_class) for module in model.modules())
     log.info("syncbn: %d BatchNorm layers are %s.%s", converted, sync_class.__module__, sync_class.__qualname__)
     return model

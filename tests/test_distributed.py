@@ -102,6 +102,10 @@ def test_results_report_the_run(ddp_run):
     assert results["val_samples"] == 37  # odd: no padded duplicates reach the metrics
     for key in ("train_loss", "val_loss", "val_accuracy", "samples_per_s", "wall_s", "peak_memory_mb"):
         assert results[key] > 0, key
+    assert results["samples_per_s_per_rank"] == pytest.approx(results["samples_per_s"] / 2)
+    assert len(results["peak_memory_mb_per_rank"]) == 2 and results["peak_memory_mb_per_rank"][0] == results["peak_memory_mb"]
+    assert all(mb > 0 for mb in results["peak_memory_mb_per_rank"])
+    assert len(results["data_wait_fraction_per_rank"]) == 2 and all(0 <= f < 1 for f in results["data_wait_fraction_per_rank"])
 
 
 def test_ddp_checkpoint_loads_strictly_into_a_single_model(ddp_run):

@@ -19,18 +19,45 @@ from ddp.syncbn import CPUSyncBatchNorm, convert_syncbn
 
 WORLD = 2
 STEPS = 3
-# name -> (per-rank batch sizes, BatchNorm kwargs)
+# name -> (per-rank batch sizes, BatchNorm kwargs, mean of the inputs)
 PARITY_CASES = {
-    "equal_split": ((8, 8), dict(momentum=0.1)),
-    "unequal_split_cumulative": ((5, 11), dict(momentum=None, eps=1e-3)),
-    "no_affine_no_running_stats": ((6, 4), dict(affine=False, track_running_stats=False)),
+    "equal_split": ((8, 8), dict(momentum=0.1), 1.0),
+    "unequal_split_cumulative": ((5, 11), dict(momentum=None, eps=1e-3), 1.0),
+    "no_affine_no_running_stats": ((6, 4), dict(affine=False, track_running_stats=False), 1.0),
+    # 1e4 + N(0, 4): E[x^2] - E[x]^2 would lose the variance to cancellation
+    "large_mean": ((8, 8), dict(momentum=0.1), 1e4),
 }
+# float32 holds 1e4 + x only to about 1e-3 (5e-4 of the spread), so there outputs and grads agree to
+# a few 1e-3; a variance lost to cancellation would be off by units
+TOLERANCE = {"large_mean": dict(atol=5e-3, rtol=5e-3)}
 
 
-def _batch(step, n):
+def _batch(step, n, mean):
     """Input and loss weights for one step; the same in every process."""
     g = torch.Generator().manual_seed(1000 + step)
-    return torch.randn(n, 3, 5, 5, generator=g) * 2 + 1, torch.randn(n, 3, 5, 5, generator=g)
+    return torch.randn(n, 3, 5, 5, generator=g) * 2 + mean, torch.randn(n, 3, 5, 5, generator=g)
+
+
+class _CollectiveCounter:
+    """Counts the collectives issued inside a `with` block."""
+
+    NAMES = ("all_reduce", "all_gather", "all_gather_into_tensor", "broadcast", "reduce_scatter")
+
+    def __enter__(self):
+        self.count, self.originals = 0, {name: getattr(dist, name) for name in self.NAMES}
+        for name, original in self.originals.items():
+            setattr(dist, name, self._counted(original))
+        return self
+
+    def _counted(self, original):
+        def wrapper(*args, **kwargs):
+            self.count += 1
+            return original(*args, **kwargs)
+        return wrapper
+
+    def __exit__(self, *exc):
+        for name, original in self.originals.items():
+            setattr(dist, name, original)
 
 
 def _make_bn(cls, **kwargs):
@@ -56,17 +83,19 @@ def _ddp_batch(rank):
     return torch.randn(4, 3, 5, 5, generator=g) * (1 + rank) + rank  # ranks see different data
 
 
-def _run_parity(rank, split, kwargs):
+def _run_parity(rank, split, kwargs, mean):
     bn = _make_bn(CPUSyncBatchNorm, **kwargs).train()
     lo, hi = sum(split[:rank]), sum(split[: rank + 1])
     steps = []
     for step in range(STEPS):
-        x, w = _batch(step, sum(split))
+        x, w = _batch(step, sum(split), mean)
         x = x[lo:hi].clone().requires_grad_()
         bn.zero_grad(set_to_none=True)
-        y = bn(x)
-        (y * w[lo:hi]).sum().backward()
-        out = {"y": y.detach(), "dx": x.grad}
+        with _CollectiveCounter() as forward:
+            y = bn(x)
+        with _CollectiveCounter() as backward:
+            (y * w[lo:hi]).sum().backward()
+        out = {"y": y.detach(), "dx": x.grad, "collectives": (forward.count, backward.count)}
         if bn.affine:  # local param grads; summed over ranks they match the full-batch grads
             for name in ("weight", "bias"):
                 grad = getattr(bn, name).grad.clone()
@@ -93,7 +122,7 @@ def _worker(rank, port, out_dir):
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank,
                             world_size=WORLD, timeout=timedelta(seconds=60))
     try:
-        results = {name: _run_parity(rank, split, kw) for name, (split, kw) in PARITY_CASES.items()}
+        results = {name: _run_parity(rank, split, kw, mean) for name, (split, kw, mean) in PARITY_CASES.items()}
         results["ddp"] = _run_ddp(rank)
         torch.save(results, f"{out_dir}/rank{rank}.pt")
     finally:
@@ -115,22 +144,24 @@ def ranks(tmp_path_factory):
 
 @pytest.mark.parametrize("case", PARITY_CASES)
 def test_matches_batchnorm_on_the_full_batch(ranks, case):
-    split, kwargs = PARITY_CASES[case]
+    split, kwargs, mean = PARITY_CASES[case]
     ref = _make_bn(nn.BatchNorm2d, **kwargs).train()
     bounds = [(sum(split[:r]), sum(split[: r + 1])) for r in range(WORLD)]
     for step in range(STEPS):
-        x, w = _batch(step, sum(split))
+        x, w = _batch(step, sum(split), mean)
         x.requires_grad_()
         ref.zero_grad(set_to_none=True)
         y = ref(x)
         (y * w).sum().backward()
         for r, (lo, hi) in enumerate(bounds):
             got = ranks[r][case]["steps"][step]
-            torch.testing.assert_close(got["y"], y.detach()[lo:hi])
-            torch.testing.assert_close(got["dx"], x.grad[lo:hi])
+            assert got["collectives"] == (1, 1)  # one in the forward, one in the backward, as on CUDA
+            tolerance = TOLERANCE.get(case, {})
+            torch.testing.assert_close(got["y"], y.detach()[lo:hi], **tolerance)
+            torch.testing.assert_close(got["dx"], x.grad[lo:hi], **tolerance)
             if ref.affine:
-                torch.testing.assert_close(got["dweight"], ref.weight.grad)
-                torch.testing.assert_close(got["dbias"], ref.bias.grad)
+                torch.testing.assert_close(got["dweight"], ref.weight.grad, **tolerance)
+                torch.testing.assert_close(got["dbias"], ref.bias.grad, **tolerance)
     for r in range(WORLD):
         buffers = ranks[r][case]["buffers"]
         assert buffers.keys() == dict(ref.named_buffers()).keys()

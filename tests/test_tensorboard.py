@@ -15,7 +15,8 @@ from tensorboard.plugins.hparams import plugin_data_pb2
 
 from conftest import load_results, run_dirs
 
-TRAIN_TAGS = {"train/loss", "train/lr", "train/samples_per_s", "train/epoch_time_s"}
+TRAIN_TAGS = {"train/loss", "train/lr", "train/samples_per_s", "train/samples_per_s_per_rank", "train/epoch_time_s",
+              "perf/data_wait_fraction", "perf/data_wait_fraction_max"}
 VAL_TAGS = {"val/loss", "val/accuracy"}
 
 
@@ -35,6 +36,8 @@ def test_training_and_validation_scalars(events, ddp_run):
     assert [event.step for event in events.Scalars("val/accuracy")] == [8, 16]
     final = load_results(ddp_run[0])
     assert events.Scalars("val/accuracy")[-1].value == pytest.approx(final["val_accuracy"], rel=1e-6)
+    for mean, worst in zip(events.Scalars("perf/data_wait_fraction"), events.Scalars("perf/data_wait_fraction_max"), strict=True):
+        assert 0 <= mean.value <= worst.value <= 1  # the ranks' mean share of step time waiting for data, and the worst rank's
 
 
 def test_hparams_are_in_the_run_dir_itself(events, ddp_run):

@@ -1,0 +1,223 @@
+"""`make bench`: train.py against the plain hand-written DDP loop (benchmarks/plain_ddp.py) on
+identical work, side by side in one run.
+
+Every contender trains the same model on the same synthetic 3x32x32 data with Adam, batch 32 per
+process, one thread per process on CPU. The contenders run interleaved (A B C ... A B C ...),
+`repeats` times, and each is reported as the median and min-max of its steady-state throughput
+(global samples/s over training steps after the warm-up, train.py's definition) and of its
+whole-process wall time. Writes benchmarks/results/<host>-<date>.md and a PNG plot next to it, and
+prints the table and the ratios with their goals.
+
+    python benchmarks/bench.py                   # the full run (make bench)
+    BENCH_QUICK=1 python benchmarks/bench.py     # a tiny version, end to end
+"""
+
+import argparse
+import json
+import os
+import platform
+import socket
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from dataclasses import dataclass, field
+from datetime import date
+from pathlib import Path
+
+import torch
+
+REPO = Path(__file__).resolve().parents[1]
+TORCHRUN = Path(sys.executable).with_name("torchrun")
+
+
+@dataclass(frozen=True)
+class Settings:
+    models: tuple[str, ...]
+    steps: int  # timed steps per run, after the warm-up
+    warmup: int
+    repeats: int
+    image_size: int = 32
+    batch_size: int = 32
+
+
+FULL = Settings(models=("small_cnn", "resnet18"), steps=20, warmup=5, repeats=3)
+QUICK = Settings(models=("small_cnn",), steps=4, warmup=2, repeats=1, image_size=16)
+
+
+@dataclass
+class Contender:
+    name: str
+    model: str
+    processes: int
+    arguments: list[str]  # train.py overrides, or plain_ddp.py's flags when name == "plain"
+    throughput: list[float] = field(default_factory=list)
+    wall: list[float] = field(default_factory=list)
+
+
+def contenders(settings: Settings, quick: bool) -> list[Contender]:
+    variants = {
+        "ddp": (2, ["strategy=ddp"]),
+        "ddp syncbn": (2, ["strategy=ddp", "syncbn=true"]),
+        "ddp bf16": (2, ["strategy=ddp", "precision=bf16"]),
+        "ddp channels_last": (2, ["strategy=ddp", "channels_last=true"]),
+        "single": (1, ["strategy=single"]),
+        "dp": (1, ["strategy=dp"]),
+    }
+    if quick:
+        variants = {name: variants[name] for name in ("ddp", "ddp syncbn", "single")}
+    chosen = []
+    for model in settings.models:
+        chosen.append(Contender("plain", model, 2, ["--model", model]))
+        chosen += [Contender(name, model, processes, [f"model={model}", *arguments])
+                   for name, (processes, arguments) in variants.items()]
+    if torch.cuda.is_available():  # one GPU: resnet50 at batch 256 in bf16, channels_last; DDP at world size 1
+        gpu = ["model=torchvision", "model.name=resnet50", "precision=bf16", "channels_last=true"]
+        chosen += [Contender("gpu single", "resnet50", 1, ["strategy=single", *gpu]),
+                   Contender("gpu ddp x1", "resnet50", 1, ["strategy=ddp", *gpu])]
+    return chosen
+
+
+def command(contender: Contender, settings: Settings, run_dir: Path) -> list[str]:
+    gpu = contender.model == "resnet50"
+    batch, image_size = (256, 224) if gpu else (settings.batch_size, settings.image_size)
+    launcher = [str(TORCHRUN), "--standalone", f"--nproc_per_node={contender.processes}"]
+    if contender.name == "plain":
+        return [*launcher, str(REPO / "benchmarks" / "plain_ddp.py"), *contender.arguments, "--steps", str(settings.steps),
+                "--warmup", str(settings.warmup), "--batch-size", str(batch), "--image-size", str(image_size)]
+    samples = (settings.warmup + settings.steps) * batch * contender.processes  # one epoch of exactly that many steps
+    overrides = [*contender.arguments, "data=synthetic", f"data.num_samples={samples}", f"data.num_val_samples={batch}",
+                 f"data.image_size={image_size}", f"data.batch_size={batch}", "optim=adam", "trainer.max_epochs=1",
+                 f"trainer.warmup_steps={settings.warmup}", "checkpoint.every_n_steps=0", f"hydra.run.dir={run_dir}"]
+    if contender.name.startswith(("ddp", "gpu ddp")):
+        return [*launcher, str(REPO / "train.py"), *overrides]
+    return [sys.executable, str(REPO / "train.py"), *overrides]
+
+
+def run_once(contender: Contender, settings: Settings, scratch: Path) -> None:
+    run_dir = scratch / f"run{len(list(scratch.iterdir()))}"
+    env = os.environ | {"OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}
+    started = time.perf_counter()
+    result = subprocess.run(command(contender, settings, run_dir), cwd=scratch, env=env, capture_output=True, text=True)
+    wall = time.perf_counter() - started
+    if result.returncode != 0:
+        sys.exit(f"bench: {contender.name} ({contender.model}) failed:\n{result.stderr[-3000:]}")
+    if contender.name == "plain":
+        throughput = json.loads(result.stdout.strip().splitlines()[-1])["samples_per_s"]
+    else:
+        throughput = json.loads((run_dir / "results.json").read_text())["samples_per_s"]
+    contender.throughput.append(throughput)
+    contender.wall.append(wall)
+
+
+def median(values: list[float]) -> float:
+    return statistics.median(values)
+
+
+def spread(values: list[float], digits: int) -> str:
+    return f"{median(values):.{digits}f} ({min(values):.{digits}f}-{max(values):.{digits}f})"
+
+
+def ratios(found: dict[tuple[str, str], Contender]) -> list[tuple[str, float, str]]:
+    """(what, measured ratio, goal) for every ratio whose contenders ran."""
+    def throughput(name, model):
+        return median(found[name, model].throughput)
+
+    rows = []
+    for model, goal in (("small_cnn", ">= 0.97"), ("resnet18", ">= 0.99")):
+        if ("ddp", model) in found:
+            rows.append((f"train.py DDP / plain loop, throughput, {model}", throughput("ddp", model) / throughput("plain", model), goal))
+    if ("ddp", "small_cnn") in found:
+        rows.append(("train.py DDP / plain loop, whole-process wall time, small_cnn",
+                     median(found["ddp", "small_cnn"].wall) / median(found["plain", "small_cnn"].wall), "<= 1.10"))
+    for model in ("resnet18", "small_cnn"):
+        if ("ddp syncbn", model) in found:
+            rows.append((f"syncbn=true / syncbn=false, step time, {model}, 2 ranks",
+                         throughput("ddp", model) / throughput("ddp syncbn", model), "<= 1.15" if model == "resnet18" else "-"))
+        if ("single", model) in found:
+            rows.append((f"weak scaling: per-rank throughput, 2 ranks / 1 rank, {model}",
+                         throughput("ddp", model) / 2 / throughput("single", model), ">= 0.9"))
+        for name, what in (("ddp bf16", "bf16 / fp32"), ("ddp channels_last", "channels_last / NCHW")):
+            if (name, model) in found:
+                rows.append((f"{what}, throughput, {model}, 2 ranks", throughput(name, model) / throughput("ddp", model), "for the record"))
+    if ("gpu ddp x1", "resnet50") in found:
+        rows.append(("GPU: DDP at world size 1 / single, resnet50", throughput("gpu ddp x1", "resnet50") / throughput("gpu single", "resnet50"), ">= 0.97"))
+    return rows
+
+
+def meets(ratio: float, goal: str) -> str:
+    if goal.startswith(">="):
+        return "yes" if ratio >= float(goal[2:]) else "no"
+    if goal.startswith("<="):
+        return "yes" if ratio <= float(goal[2:]) else "no"
+    return ""
+
+
+def report(chosen: list[Contender], settings: Settings, quick: bool) -> str:
+    found = {(c.name, c.model): c for c in chosen}
+    lines = [
+        f"# make bench{' (BENCH_QUICK)' if quick else ''}: {socket.gethostname()}, {date.today()}",
+        "",
+        f"{os.cpu_count()} CPUs ({platform.processor() or platform.machine()}), torch {torch.__version__}, "
+        f"{'CUDA: ' + torch.cuda.get_device_name(0) if torch.cuda.is_available() else 'no GPU'}; "
+        f"one thread per process; {settings.warmup} warm-up + {settings.steps} timed steps of batch {settings.batch_size} "
+        f"per process on synthetic 3x{settings.image_size}x{settings.image_size} images, Adam; {settings.repeats} "
+        "interleaved repeats, median (min-max).",
+        "",
+        "| model | contender | processes | samples/s | whole-process wall s |",
+        "|---|---|---|---|---|",
+    ]
+    lines += [f"| {c.model} | {c.name} | {c.processes} | {spread(c.throughput, 1)} | {spread(c.wall, 2)} |" for c in chosen]
+    lines += ["", "| ratio | measured | goal | met |", "|---|---|---|---|"]
+    lines += [f"| {what} | {ratio:.3f} | {goal} | {meets(ratio, goal)} |" for what, ratio, goal in ratios(found)]
+    if ("gpu single", "resnet50") in found:
+        lines += ["", f"GPU resnet50, batch 256, bf16, channels_last: {median(found['gpu single', 'resnet50'].throughput):.0f} img/s "
+                  "(NVIDIA's A100 AMP figure for resnet50 training: about 2,470 img/s)."]
+    return "\n".join(lines) + "\n"
+
+
+def plot(chosen: list[Contender], path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    models = list(dict.fromkeys(c.model for c in chosen))
+    figure, axes = plt.subplots(1, len(models), figsize=(6 * len(models), 4), squeeze=False)
+    for axis, model in zip(axes[0], models):
+        mine = [c for c in chosen if c.model == model]
+        medians = [median(c.throughput) for c in mine]
+        errors = [[m - min(c.throughput) for m, c in zip(medians, mine)], [max(c.throughput) - m for m, c in zip(medians, mine)]]
+        axis.barh([c.name for c in mine], medians, xerr=errors, color=["grey" if c.name == "plain" else "tab:blue" for c in mine])
+        axis.set_title(model)
+        axis.set_xlabel("samples/s (median, min-max bars)")
+        axis.invert_yaxis()
+    figure.tight_layout()
+    figure.savefig(path, dpi=100)
+    plt.close(figure)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--out", type=Path, default=REPO / "benchmarks" / "results", help="folder for the .md and .png")
+    args = parser.parse_args()
+    quick = os.environ.get("BENCH_QUICK", "0") == "1"
+    settings = QUICK if quick else FULL
+    chosen = contenders(settings, quick)
+    with tempfile.TemporaryDirectory() as scratch:
+        for repeat in range(settings.repeats):
+            for contender in chosen:
+                print(f"bench: repeat {repeat + 1}/{settings.repeats}: {contender.model} {contender.name}", flush=True)
+                run_once(contender, settings, Path(scratch))
+    table = report(chosen, settings, quick)
+    args.out.mkdir(parents=True, exist_ok=True)
+    stem = args.out / f"{socket.gethostname()}-{date.today()}{'-quick' if quick else ''}"
+    Path(f"{stem}.md").write_text(table + f"\n![throughput]({stem.name}.png)\n")
+    plot(chosen, Path(f"{stem}.png"))
+    print(table)
+    print(f"bench: wrote {stem}.md and {stem}.png")
+
+
+if __name__ == "__main__":
+    main()
