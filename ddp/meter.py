@@ -110,4 +110,3 @@ def peak_memory(cuda_devices: list[int], reset: bool) -> tuple[float, str]:
         high_water = next(line for line in _STATUS.read_text().splitlines() if line.startswith("VmHWM:"))
         return int(high_water.split()[1]) / 1024, "cpu"
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024, "cpu (process lifetime)"
-

@@ -65,11 +65,11 @@ class UpdateStep:
 
     def micro_step(self, images: torch.Tensor, labels: torch.Tensor, micro_index: int, group_size: int) -> torch.Tensor:
         """Forward and backward of one micro-batch; the update itself after the group's last. Returns the loss."""
-        images = images.to(self.device, non_blocking=True)
+        images = images.to(self.device, non_blocking=True, memory_format=self.memory_format)
         targets = labels.to(self.device, non_blocking=True)
         if self.batch_mix is not None:
             images, targets = self.batch_mix(images, targets)  # soft targets: class probabilities
-        images = images.contiguous(memory_format=self.memory_format)
+            images = images.contiguous(memory_format=self.memory_format)  # mixing may return another layout
         last = micro_index == group_size - 1
         accumulate_locally = not last and isinstance(self.model, DistributedDataParallel)
         with self.model.no_sync() if accumulate_locally else contextlib.nullcontext():
