@@ -288,7 +288,7 @@ def test_download_with_several_ranks_is_refused_on_every_rank(tmp_path):
                     cwd=tmp_path, nproc=2, env={"PET_MASTER_PORT": str(_free_port())}, timeout=180)
     assert result.returncode != 0, _output(result)
     ours = [line for line in _output(result).splitlines() if line.startswith("error: ")]
-    assert len(ours) == 2, _output(result)
+    assert 1 <= len(ours) <= 2, _output(result)  # torchrun may stop the second rank before it prints
     assert all(line.startswith("error: data.download=true: download with one process first") for line in ours), ours
     assert not (tmp_path / "cifar").exists()
     assert_nothing_trained(tmp_path, result, under_torchrun=True)
@@ -303,7 +303,8 @@ def test_torchrun_without_a_launch_id_or_shared_store_says_how_to_fix_it(tmp_pat
                             env=os.environ | {"TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1"})
     assert result.returncode != 0, _output(result)
     ours = [line for line in _output(result).splitlines() if line.startswith("error: ")]
-    assert len(ours) == 2 and all("pass --rdzv-id=<unique id> to torchrun" in line for line in ours), _output(result)
+    # torchrun stops the other rank once one has failed, so it may not get to print its own line
+    assert 1 <= len(ours) <= 2 and all("pass --rdzv-id=<unique id> to torchrun" in line for line in ours), _output(result)
     assert not list(tmp_path.rglob("*.log"))  # Hydra never got to make the run dir
     assert_nothing_trained(tmp_path, result, under_torchrun=True)
 
