@@ -32,12 +32,12 @@ from data import build_datasets
 from data.mix import build_batch_mix
 from ddp.checkpoint import save_step_checkpoint
 from ddp.config import ConfigError, check_model_accepts, instantiate_checked, optimizer_node, register_configs, validate
-from ddp.env import DistEnv, select_device
+from ddp.env import DistEnv, select_device, use_deterministic_cudnn
 from ddp.faults import inject_fault
 from ddp.launch import launch_workers
 from ddp.loaders import build_train_loader, build_val_loader, iterate_from, start_epoch, start_worker_server
 from ddp.meter import ThroughputMeter, peak_memory, reset_peak_memory
-from ddp.preemption import Interrupted, StopOnSignal, resume_command
+from ddp.preemption import Interrupted, StopOnSignal, resume_command, submitit_requeue_signal
 from ddp.process_group import (
     all_reduce_sum,
     broadcast_buffers_from_rank_zero,
@@ -159,7 +159,7 @@ def run(cfg: DictConfig, run_dir: Path, relaunch: str) -> dict:
     `relaunch` is the command that continues it after an interruption."""
     # resolve env and check the config before anything starts or is written
     env = DistEnv.from_environ()
-    validate(cfg, under_torchrun=env.under_torchrun, world_size=env.world_size)
+    validate(cfg, launched=env.launched, world_size=env.world_size)
     distributed = cfg.strategy.name == "ddp"
     backend = resolve_backend(cfg.backend, torch.cuda.is_available())
     device = select_device(env, backend if distributed else None, torch.cuda.device_count())
@@ -169,7 +169,7 @@ def run(cfg: DictConfig, run_dir: Path, relaunch: str) -> dict:
     if cfg.syncbn and not distributed:
         log.warning("syncbn=true has no effect with strategy=%s: %s", cfg.strategy.name, SYNCBN_WITHOUT_DDP[cfg.strategy.name])
     if cfg.deterministic:
-        torch.backends.cudnn.deterministic, torch.backends.cudnn.benchmark = True, False
+        use_deterministic_cudnn()
 
     # data and model: identical on every rank (same seed)
     torch.manual_seed(cfg.seed)
@@ -185,7 +185,8 @@ def run(cfg: DictConfig, run_dir: Path, relaunch: str) -> dict:
     start_worker_server(splits.train, cfg.data.num_workers)  # for DataLoader workers, while the rank sets up (ddp/loaders.py)
 
     # resume: weights load before wrapping, so DDP starts every rank from them
-    restarted = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")) > 0
+    # submitit runs a requeued job again in the same job dir; its first run finds no checkpoint there
+    restarted = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")) > 0 or env.launcher == "submitit"
     resumed = find_resume_checkpoint(cfg.resume, run_dir, restarted)
     if resumed:
         load_model_state(model, resumed[1]["model"], resumed[0])
@@ -317,7 +318,8 @@ def fit(cfg: DictConfig, env: DistEnv, device: torch.device, gpus: list[int], me
 
     # loop
     every_n = cfg.checkpoint.every_n_steps
-    stopper = StopOnSignal(distributed=dist.is_initialized(), check_every_n_steps=trainer.log_every_n_steps)
+    stopper = StopOnSignal(distributed=dist.is_initialized(), check_every_n_steps=trainer.log_every_n_steps,
+                           requeue_signal=submitit_requeue_signal() if env.launcher == "submitit" else None)
     saved = {"step": position.global_step if resumed else -1}
     progress = tqdm(total=length.total_updates, initial=position.global_step, desc="train",
                     disable=not (env.is_main and sys.stderr.isatty()))
@@ -338,9 +340,11 @@ def fit(cfg: DictConfig, env: DistEnv, device: torch.device, gpus: list[int], me
             stopper.saved_step = position.global_step
             interrupted = Interrupted(signum, position.global_step)
             if env.is_main:  # the one line the console shows
-                log.warning("%s (epoch %d); checkpoint saved: continue with  %s", interrupted, position.epoch, relaunch)
+                then = "submitit requeues the job, which resumes from it" if stopper.requeue_asked else f"continue with  {relaunch}"
+                log.warning("%s (epoch %d); checkpoint saved: %s", interrupted, position.epoch, then)
             else:
                 log.info("%s", interrupted)
+            stopper.requeue_if_asked()
             raise interrupted
         # At an epoch's last step the save waits for validation, so a resume never repeats it.
         if every_n and position.global_step % every_n == 0 and not epoch_ends:
@@ -348,7 +352,7 @@ def fit(cfg: DictConfig, env: DistEnv, device: torch.device, gpus: list[int], me
             save()
             meter.resume()
 
-    with stopper:  # SIGTERM and Ctrl-C: save at the next step boundary, then exit
+    with stopper:  # SIGTERM, Ctrl-C and submitit's requeue signal: save at the next step boundary, then exit
         started = time.perf_counter()
         metrics: dict[str, float] = {}
         while position.epoch < trainer.max_epochs and position.global_step < length.total_updates:
@@ -455,11 +459,11 @@ def main(cfg: DictConfig) -> float:
     run_dir = Path(hydra_cfg.runtime.output_dir)
     env = DistEnv.from_environ()
     in_sweep = hydra_cfg.mode == RunMode.MULTIRUN
-    relaunch = resume_command(sys.argv[0], list(hydra_cfg.overrides.task), env.local_world_size if env.under_torchrun else None, run_dir)
+    relaunch = resume_command(sys.argv[0], list(hydra_cfg.overrides.task), env.local_world_size if env.launched else None, run_dir)
     try:
-        if cfg.strategy.name == "ddp" and not env.under_torchrun and cfg.strategy.nproc_per_node > 0:
+        if cfg.strategy.name == "ddp" and not env.launched and cfg.strategy.nproc_per_node > 0:
             nproc = cfg.strategy.nproc_per_node
-            validate(cfg, under_torchrun=True, world_size=nproc)  # fail here, not in N workers
+            validate(cfg, launched=True, world_size=nproc)  # fail here, not in N workers
             results = launch_workers(run, cfg, run_dir, relaunch, hydra_cfg.job.name, nproc, cfg.strategy.max_restarts)
         else:
             results = run(cfg, run_dir, relaunch)
@@ -471,12 +475,12 @@ def main(cfg: DictConfig) -> float:
         sys.stderr.write("error: interrupted before or after training: exiting; nothing more was saved\n")
         sys.exit(130)
     except (ConfigError, Diverged) as error:
-        if in_sweep and not env.under_torchrun:
+        if in_sweep and not env.launched:
             raise  # this job fails, the sweep goes on, and its summary says why
         sys.stderr.write(f"error: {error}\n")  # one write: ranks printing at once keep their lines whole
         sys.exit(1)
     except Exception:
-        if in_sweep and env.under_torchrun:
+        if in_sweep and env.launched:
             # Hydra would raise only after the whole batch of jobs, leaving the other ranks waiting in
             # collectives of the next job: end the sweep now (torchrun then stops the other ranks).
             log.exception("sweep job %d (%s) failed; stopping the sweep", hydra_cfg.job.num, " ".join(hydra_cfg.overrides.task))

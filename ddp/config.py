@@ -297,7 +297,7 @@ def _unknown_keys(node: DictConfig, prefix: str = "") -> list[str]:
     return unknown
 
 
-def validate(cfg: Any, *, under_torchrun: bool, world_size: int) -> None:
+def validate(cfg: Any, *, launched: bool, world_size: int) -> None:
     """Check what the schema's types can't, before anything is started or written."""
     for key in _unknown_keys(cfg):
         raise ConfigError(f"{key}: unknown key; check the spelling (`python train.py --cfg job` lists the keys)")
@@ -370,14 +370,14 @@ def validate(cfg: Any, *, under_torchrun: bool, world_size: int) -> None:
     _check(cfg.strategy.max_restarts >= 0, f"strategy.max_restarts={cfg.strategy.max_restarts}: must be >= 0")
     if strategy == "ddp":
         _check(
-            under_torchrun or cfg.strategy.nproc_per_node >= 1,
+            launched or cfg.strategy.nproc_per_node >= 1,
             "strategy=ddp needs one process per device: launch it with "
             "`torchrun --nproc_per_node=N train.py strategy=ddp ...`, or add strategy.nproc_per_node=N",
         )
     else:
         _check(
             world_size == 1,
-            f"strategy={strategy} runs one process, but torchrun started {world_size}: "
+            f"strategy={strategy} runs one process, but {world_size} were started: "
             "use strategy=ddp, or torchrun --nproc_per_node=1",
         )
     if cfg.data.get("download", False):

@@ -1,8 +1,8 @@
-"""The process's place in the launch, read from the variables torchrun sets."""
+"""The process's place in the launch: read from the variables torchrun sets, else from a SLURM (or
+local) job that submitit started, else a plain single process."""
 
 import logging
 import os
-from collections.abc import Mapping
 from dataclasses import dataclass
 
 import torch
@@ -20,23 +20,50 @@ class DistEnv:
     local_world_size: int = 1
     master_addr: str | None = None
     master_port: int | None = None
-    under_torchrun: bool = False
+    launcher: str | None = None  # "torchrun" or "submitit"; None for a plain process
 
     @classmethod
-    def from_environ(cls, environ: Mapping[str, str] = os.environ) -> "DistEnv":
-        # torchrun always sets RANK; never parse a --local_rank argument.
-        if "RANK" not in environ:
-            return cls()
-        port = environ.get("MASTER_PORT")
+    def from_environ(cls) -> "DistEnv":
+        """torchrun first (it also runs inside SLURM jobs: `srun torchrun ...`), then a submitit task
+        (hydra/launcher=slurm or submitit_local, one task per GPU), then a plain process."""
+        environ = os.environ
+        if "RANK" in environ:  # torchrun always sets RANK; never parse a --local_rank argument
+            port = environ.get("MASTER_PORT")
+            return cls(
+                rank=int(environ["RANK"]),
+                local_rank=int(environ["LOCAL_RANK"]),
+                world_size=int(environ["WORLD_SIZE"]),
+                local_world_size=int(environ.get("LOCAL_WORLD_SIZE", environ["WORLD_SIZE"])),
+                master_addr=environ.get("MASTER_ADDR"),
+                master_port=int(port) if port else None,
+                launcher="torchrun",
+            )
+        if environ.get("SUBMITIT_EXECUTOR") in ("slurm", "local"):
+            return cls.from_submitit()
+        return cls()
+
+    @classmethod
+    def from_submitit(cls) -> "DistEnv":
+        """SLURM's task variables (SLURM_PROCID, SLURM_LOCALID, SLURM_NTASKS, the node list), or the
+        local executor's, as submitit reads them: the first host is the master, and the port is
+        MASTER_PORT if set, else one derived from the job id, the same in every task."""
+        from submitit.helpers import TorchDistributedEnvironment  # only in submitit tasks
+
+        task = TorchDistributedEnvironment()
         return cls(
-            rank=int(environ["RANK"]),
-            local_rank=int(environ["LOCAL_RANK"]),
-            world_size=int(environ["WORLD_SIZE"]),
-            local_world_size=int(environ.get("LOCAL_WORLD_SIZE", environ["WORLD_SIZE"])),
-            master_addr=environ.get("MASTER_ADDR"),
-            master_port=int(port) if port else None,
-            under_torchrun=True,
+            rank=task.rank,
+            local_rank=task.local_rank,
+            world_size=task.world_size,
+            local_world_size=task.local_world_size,
+            master_addr=task.master_addr,
+            master_port=task.master_port,
+            launcher="submitit",
         )
+
+    @property
+    def launched(self) -> bool:
+        """One of a group of processes that a launcher started (torchrun, SLURM through submitit)."""
+        return self.launcher is not None
 
     @property
     def is_main(self) -> bool:
@@ -67,3 +94,10 @@ def select_device(env: DistEnv, backend: str | None, visible_gpus: int) -> torch
         log.warning("LOCAL_RANK=%d with %d visible GPU(s): this rank uses cuda:%d, shared with other ranks "
                     "of this node unless each process sees its own GPU", env.local_rank, visible_gpus, index)
     return torch.device("cuda", index)
+
+
+def use_deterministic_cudnn() -> None:
+    """cuDNN's deterministic algorithms only, and no benchmarking (which may pick others per run).
+    Here rather than in train.py: submitit pickles train.py's functions by value, and the module
+    object torch.backends.cudnn can't be pickled."""
+    torch.backends.cudnn.deterministic, torch.backends.cudnn.benchmark = True, False

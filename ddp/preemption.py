@@ -1,5 +1,7 @@
 """SIGTERM (preemption, torchrun stopping its workers) and Ctrl-C (SIGINT): finish the step, save,
-then exit with 128 + the signal number (143, 130). A second Ctrl-C exits at once."""
+then exit with 128 + the signal number (143, 130). A second Ctrl-C exits at once. In a job that
+submitit started, its requeue signal (USR2, before the time limit and on preemption) also saves,
+then hands the job to submitit, which requeues it."""
 
 import contextlib
 import logging
@@ -43,16 +45,26 @@ class StopOnSignal:
     the shutdown. A second SIGINT means "now": exit at once, without this step's checkpoint.
     """
 
-    def __init__(self, distributed: bool, check_every_n_steps: int):
+    def __init__(self, distributed: bool, check_every_n_steps: int, requeue_signal: int | None = None):
         self.distributed = distributed
         self.check_every_n_steps = check_every_n_steps
+        self.requeue_signal = requeue_signal
         self.received = 0  # the first stop signal's number
+        self.requeue_asked = False
         self.saved_step: int | None = None  # the step whose checkpoint the stop saved
         self.deadline: threading.Timer | None = None
 
     def __enter__(self) -> "StopOnSignal":
-        self.previous = {signum: signal.signal(signum, self._handle) for signum in STOP_SIGNALS}
+        signums = STOP_SIGNALS if self.requeue_signal is None else (*STOP_SIGNALS, self.requeue_signal)
+        self.previous = {signum: signal.signal(signum, self._handle) for signum in signums}
         return self
+
+    def requeue_if_asked(self) -> None:
+        """After the stop's checkpoint: let submitit's own handler requeue the job (task 0 asks SLURM,
+        or the local executor, and exits; the other tasks return and exit)."""
+        handler = self.previous.get(self.requeue_signal)
+        if self.requeue_asked and callable(handler):
+            handler(self.requeue_signal, None)
 
     def __exit__(self, exc_type, exc, traceback) -> None:
         if self.deadline is not None:
@@ -64,6 +76,8 @@ class StopOnSignal:
 
     def _handle(self, signum, frame) -> None:
         # Runs between two bytecodes of the main thread, maybe inside logging: write, don't log.
+        if signum == self.requeue_signal:
+            self.requeue_asked = True
         if self.received and signum == signal.SIGINT:
             if self.saved_step is None:
                 message = "interrupted again: exiting at once, without a checkpoint of this step (the last saved one is intact)"
@@ -96,6 +110,14 @@ class StopOnSignal:
         if stop and self.deadline is not None:
             self.deadline.cancel()  # at the boundary now: the save may take what time is left
         return stop
+
+
+def submitit_requeue_signal() -> int:
+    """The signal with which submitit asks a job to save and requeue: USR2 unless SUBMITIT_PREEMPT_SIGNAL
+    names another (SLURM sends it signal_delay_s before the time limit)."""
+    from submitit import JobEnvironment
+
+    return getattr(signal, f"SIG{JobEnvironment.USR_SIG}")
 
 
 def _exit_now(code: int) -> None:

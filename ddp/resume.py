@@ -72,9 +72,11 @@ def resume_position(path: Path, checkpoint: dict[str, Any], world_size: int, ran
 
 
 def find_resume_checkpoint(resume: str | None, run_dir: Path, restarted: bool) -> tuple[Path, dict[str, Any]] | None:
-    """`resume`: None (fresh, or `auto` after a torchrun restart), `auto`, a run dir, or a checkpoint file."""
-    if resume is None and restarted:
-        resume = "auto"  # torchrun restarted the workers: pick up where the last attempt saved
+    """`resume`: None (fresh), `auto`, a run dir, or a checkpoint file. A restarted run (torchrun's
+    restart, a requeued SLURM job) continues from its own run dir's newest checkpoint when there is
+    one, whatever `resume` says: that is where the last attempt saved."""
+    if restarted and (found := load_latest_checkpoint(run_dir)) is not None:
+        return found
     if resume is None:
         return None
     if resume == "auto":

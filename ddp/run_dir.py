@@ -42,6 +42,7 @@ TIME_FORMAT = "%Y-%m-%d_%H-%M-%S"
 STALE_CLAIM_S = 24 * 3600
 RESTART_LOCK_WAIT_S = 60.0  # a restarted rank 0 waits this long for the previous attempt's lock
 MAX_JOB_DIR_NAME = 120
+SWEPT_KEYS_ENV = "HYDRA_DDP_SWEPT_KEYS"
 
 
 def _error(message: str) -> None:
@@ -253,6 +254,9 @@ class RunDirLock(Callback):
 
     def on_multirun_start(self, config: DictConfig, **kwargs: Any) -> None:
         hold_lock(Path(config.hydra.sweep.dir))
+        # For the job dir names; the environment carries them into jobs that run in other processes
+        # (submitit's tasks), where sys.argv is not this command's.
+        os.environ[SWEPT_KEYS_ENV] = ",".join(sorted(swept_keys(list(config.hydra.overrides.task))))
 
     def on_job_end(self, config: DictConfig, job_return: JobReturn, **kwargs: Any) -> None:
         if config.hydra.mode == RunMode.RUN and job_return.status == JobStatus.COMPLETED and DistEnv.from_environ().is_main:
@@ -268,7 +272,7 @@ class RunDirLock(Callback):
 def _process_log_name(strategy: str, nproc_per_node: int) -> str:
     """`rank<R>` for a training process; `launcher` for one that will start DDP workers itself."""
     env = DistEnv.from_environ()
-    if not env.under_torchrun and strategy == "ddp" and nproc_per_node > 0:
+    if not env.launched and strategy == "ddp" and nproc_per_node > 0:
         return "launcher"
     return f"rank{env.rank}"
 
@@ -278,16 +282,16 @@ def _job_dir_name(job_num: int, task_overrides: list[str]) -> str:
     sweep after its dir, so the scalar legend and the HParams table say which job is which. The swept
     keys are those given several values on the command line; when none are (an Optuna search), the
     name holds all of the job's overrides. A `/` in a value would nest dirs, and names have a length limit."""
-    swept = _swept_keys()
+    swept = set(filter(None, os.environ.get(SWEPT_KEYS_ENV, "").split(",")))
     chosen = [item for item in task_overrides if item.split("=", 1)[0].lstrip("+~") in swept] or list(task_overrides)
     name = ",".join([str(job_num), *sorted(chosen)]).replace(",", "_", 1).replace("/", "_")
     return name[:MAX_JOB_DIR_NAME]
 
 
-def _swept_keys() -> set[str]:
-    arguments = [arg for arg in sys.argv[1:] if not arg.startswith("-")]
+def swept_keys(task_overrides: list[str]) -> set[str]:
+    """The keys given several values (`data.batch_size=16,32`) among a multirun's command-line overrides."""
     try:
-        overrides = OverridesParser.create().parse_overrides(arguments)
+        overrides = OverridesParser.create().parse_overrides(task_overrides)
     except OverrideParseException:
         return set()
     return {override.key_or_group for override in overrides if override.is_sweep_override()}
@@ -295,11 +299,15 @@ def _swept_keys() -> set[str]:
 
 def register_resolvers() -> None:
     """`${run_dir:RESUME,MODE}` and `${sweep_dir:}` for this launch's dirs; `${rank_zero_only:VALUE}` is
-    null on other ranks; `${process_log_name:STRATEGY,NPROC}` names this process's log file;
+    null on other ranks; `${process_log_name:STRATEGY,NPROC}` names this process's log file, and
+    `${process_rank:}` is its rank (torchrun's or SLURM's);
     `${job_dir_name:NUM,TASK_OVERRIDES}` names a sweep job's dir."""
     OmegaConf.register_new_resolver("run_dir", run_dir, replace=True)
-    OmegaConf.register_new_resolver("sweep_dir", sweep_dir, replace=True)
+    # Cached in the sweep's config, which launchers copy into every job's config (as Hydra does for
+    # ${now:}): a job that submitit runs in another process, or a requeued one, gets the same dir.
+    OmegaConf.register_new_resolver("sweep_dir", sweep_dir, replace=True, use_cache=True)
     OmegaConf.register_new_resolver("process_log_name", _process_log_name, replace=True)
+    OmegaConf.register_new_resolver("process_rank", lambda: DistEnv.from_environ().rank, replace=True)
     OmegaConf.register_new_resolver("job_dir_name", _job_dir_name, replace=True)
     OmegaConf.register_new_resolver(
         "rank_zero_only", lambda value: value if DistEnv.from_environ().is_main else None, replace=True

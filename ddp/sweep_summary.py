@@ -11,7 +11,7 @@ from typing import Any
 from hydra.core.utils import JobReturn, JobStatus
 from hydra.experimental.callback import Callback
 from hydra.types import RunMode
-from omegaconf import DictConfig
+from omegaconf import DictConfig, OmegaConf
 
 from ddp.env import DistEnv
 from ddp.preemption import Interrupted
@@ -31,13 +31,21 @@ class SweepSummary(Callback):
     the end, or at exit when a failed job made Hydra stop before the end."""
 
     def on_job_end(self, config: DictConfig, job_return: JobReturn, **kwargs: Any) -> None:
-        if config.hydra.mode != RunMode.MULTIRUN or not DistEnv.from_environ().is_main:
-            return
+        env = DistEnv.from_environ()
+        if config.hydra.mode != RunMode.MULTIRUN or not env.is_main or env.launcher == "submitit":
+            return  # submitit runs each job in processes of its own: the sweep's process summarises them at the end
         job_dir = Path(config.hydra.runtime.output_dir)
         failure = None if job_return.status == JobStatus.COMPLETED else job_return._return_value
         _add_row(summary_row(config.hydra.job.num, job_return.overrides, config, job_dir, failure), Path(config.hydra.sweep.dir))
 
     def on_multirun_end(self, config: DictConfig, **kwargs: Any) -> None:
+        if "submitit" in config.hydra.launcher._target_:
+            sweep_dir = Path(config.hydra.sweep.dir)
+            for job_dir in sorted(sweep_dir.glob("*/.hydra"), key=lambda d: int(d.parent.name.split("_", 1)[0])):
+                overrides = list(OmegaConf.load(job_dir / "overrides.yaml"))
+                row = summary_row(int(job_dir.parent.name.split("_", 1)[0]), overrides, OmegaConf.load(job_dir / "config.yaml"),
+                                  job_dir.parent, failure=None)
+                _add_row(row, sweep_dir)
         print_summary()
 
 
@@ -52,7 +60,7 @@ def record_failed_job(hydra_cfg: DictConfig, cfg: DictConfig, error: BaseExcepti
 def summary_row(job_num: int, overrides, cfg: DictConfig, job_dir: Path, failure: BaseException | None) -> dict[str, Any]:
     env = DistEnv.from_environ()
     world_size = env.world_size
-    if not env.under_torchrun and cfg.strategy.name == "ddp":
+    if not env.launched and cfg.strategy.name == "ddp":
         world_size = cfg.strategy.nproc_per_node  # self-launched workers
     row = {
         "job": job_num,
@@ -68,6 +76,8 @@ def summary_row(job_num: int, overrides, cfg: DictConfig, job_dir: Path, failure
         results = json.loads(results_file.read_text())
         row |= {key: results.get(key) for key in ("world_size", "global_batch_size", "val_loss", "val_accuracy", "samples_per_s", "wall_s")}
         row["status"] = "ok"
+    elif failure is None:
+        row["status"] = "failed: no results.json (see the job's logs)"
     else:
         reason = str(failure).strip().splitlines() or ["no results.json"]
         row["status"] = f"failed: {type(failure).__name__}: {reason[0]}"
@@ -116,7 +126,7 @@ class RefuseOptunaUnderTorchrun(Callback):
 
     def on_multirun_start(self, config: DictConfig, **kwargs: Any) -> None:
         env = DistEnv.from_environ()
-        if env.under_torchrun and "optuna" in config.hydra.sweeper._target_:
+        if env.launched and "optuna" in config.hydra.sweeper._target_:
             if env.is_main:
                 print(
                     "error: hparams_search=optuna under torchrun would run a separate study on every rank: run "

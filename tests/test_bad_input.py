@@ -316,6 +316,6 @@ def test_single_strategy_under_torchrun_points_to_ddp(tmp_path):
     assert result.returncode != 0, output
     ours = [line for line in output.splitlines() if line.startswith("error: ")]
     assert ours, output
-    assert all("strategy=single runs one process, but torchrun started 2" in line for line in ours), ours
+    assert all("strategy=single runs one process, but 2 were started" in line for line in ours), ours
     assert all("use strategy=ddp" in line for line in ours), ours
     assert_nothing_trained(tmp_path, result, under_torchrun=True)

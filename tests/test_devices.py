@@ -19,7 +19,7 @@ from ddp.wrap import process_gpus
 
 def _rank(local_rank: int, local_world_size: int = 8) -> DistEnv:
     return DistEnv(rank=local_rank, local_rank=local_rank, world_size=local_world_size,
-                   local_world_size=local_world_size, under_torchrun=True)
+                   local_world_size=local_world_size, launcher="torchrun")
 
 
 def test_no_visible_gpu_is_cpu():

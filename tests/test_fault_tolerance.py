@@ -407,7 +407,7 @@ class _IdsAndNoise(Dataset):
 def test_mid_epoch_resume_sees_exactly_the_remaining_samples(start):
     """2 workers, rank 1 of 2: 25 samples in 7 batches. Resuming at batch `start` on a fresh loader
     yields batch indices start.. with the same ids and the same random draws as the full pass."""
-    env = DistEnv(rank=1, world_size=2, local_world_size=2, under_torchrun=True)
+    env = DistEnv(rank=1, world_size=2, local_world_size=2, launcher="torchrun")
     data_cfg = SimpleNamespace(batch_size=4, num_workers=2)
     seed, epoch = 0, 1
 

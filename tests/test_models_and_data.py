@@ -19,7 +19,7 @@ from data.presets import AUGMENTS, cifar10_transforms, imagefolder_transforms
 from ddp.config import ConfigError, register_configs
 from ddp.env import DistEnv
 from ddp.loaders import build_train_loader, start_epoch
-from ddp.run_dir import _job_dir_name, register_resolvers
+from ddp.run_dir import SWEPT_KEYS_ENV, _job_dir_name, register_resolvers, swept_keys
 from ddp.update import UpdateStep
 from models import build_model
 
@@ -191,10 +191,12 @@ def test_no_mixing_by_default():
 # --- sweeps name their runs -------------------------------------------------------------------
 
 def test_a_sweep_job_dir_is_named_after_its_swept_values_and_fits_a_file_name(monkeypatch):
-    monkeypatch.setattr("sys.argv", ["train.py", "-m", "data=synthetic", "data.batch_size=16,32", "optim.lr=0.1,0.2"])
+    swept = swept_keys(["data=synthetic", "data.batch_size=16,32", "optim.lr=0.1,0.2"])
+    assert swept == {"data.batch_size", "optim.lr"}
+    monkeypatch.setenv(SWEPT_KEYS_ENV, ",".join(swept))
     task = ["data=synthetic", "data.batch_size=16", "optim.lr=0.1"]
     assert _job_dir_name(0, task) == "0_data.batch_size=16,optim.lr=0.1"
-    monkeypatch.setattr("sys.argv", ["train.py", "-m", "hparams_search=optuna"])  # the sweeper picks the values
+    monkeypatch.setenv(SWEPT_KEYS_ENV, "")  # an Optuna search: the sweeper picks the values
     assert _job_dir_name(3, ["optim.lr=0.05", "data.root=/datasets/imagenet"]) == "3_data.root=_datasets_imagenet,optim.lr=0.05"
     assert len(_job_dir_name(12, ["x" * 300])) == 120
 

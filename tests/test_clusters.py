@@ -1,0 +1,229 @@
+"""Beyond one machine: the launch environments a rank recognises (torchrun, SLURM through submitit,
+a plain process), two torchrun "nodes" on localhost, and DDP jobs that hydra-submitit-launcher runs,
+requeues and resumes. SLURM itself isn't here: its local executor runs the same code path."""
+
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+import uuid
+from pathlib import Path
+
+import pytest
+import torch
+
+from hydra import compose, initialize_config_dir
+from hydra.utils import instantiate
+
+from conftest import REPO, TINY, TORCHRUN, TRAIN, check, launch, run_dirs
+from ddp.config import register_configs
+from ddp.env import DistEnv
+from ddp.run_dir import register_resolvers
+
+# The variables of every launcher, cleared before each simulated environment.
+LAUNCH_VARIABLES = [
+    "RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT", "SUBMITIT_EXECUTOR",
+    "SLURM_JOB_ID", "SLURM_ARRAY_JOB_ID", "SLURM_ARRAY_TASK_ID", "SLURM_NTASKS", "SLURM_JOB_NUM_NODES",
+    "SLURM_NODEID", "SLURM_PROCID", "SLURM_LOCALID", "SLURM_JOB_NODELIST",
+]
+
+# 2 nodes x 8 GPUs; this task is the second GPU of the second node.
+SLURM_TASK = {
+    "SUBMITIT_EXECUTOR": "slurm", "SLURM_JOB_ID": "4242", "SLURM_NTASKS": "16", "SLURM_JOB_NUM_NODES": "2",
+    "SLURM_NODEID": "1", "SLURM_PROCID": "9", "SLURM_LOCALID": "1", "SLURM_JOB_NODELIST": "gpu[017-018]",
+}
+
+
+@pytest.fixture
+def environ(monkeypatch):
+    """Sets a simulated launch environment (and nothing else of the launchers')."""
+    for name in LAUNCH_VARIABLES:
+        monkeypatch.delenv(name, raising=False)
+
+    def set_to(variables: dict[str, str]) -> None:
+        for name, value in variables.items():
+            monkeypatch.setenv(name, value)
+
+    return set_to
+
+
+def test_a_plain_process_is_rank_0_of_1(environ):
+    environ({})
+    assert DistEnv.from_environ() == DistEnv()
+    assert not DistEnv.from_environ().launched
+
+
+def test_a_slurm_task_started_by_submitit_is_one_rank_per_task(environ):
+    environ(SLURM_TASK)
+    env = DistEnv.from_environ()
+    assert (env.rank, env.local_rank, env.world_size, env.local_world_size) == (9, 1, 16, 8)
+    assert env.master_addr == "gpu017" and env.launcher == "submitit" and env.launched
+    # every task derives the same port from the job id
+    environ({"SLURM_PROCID": "0", "SLURM_LOCALID": "0", "SLURM_NODEID": "0"})
+    assert DistEnv.from_environ().master_port == env.master_port and 20000 <= env.master_port <= 60000
+    environ({"MASTER_PORT": "12345"})
+    assert DistEnv.from_environ().master_port == 12345
+
+
+def test_torchrun_inside_a_slurm_job_wins(environ):
+    """`srun torchrun ...` (scripts/slurm/ddp.sbatch): torchrun's ranks, not SLURM's one task per node."""
+    environ(SLURM_TASK | {"RANK": "3", "LOCAL_RANK": "3", "WORLD_SIZE": "8", "LOCAL_WORLD_SIZE": "4",
+                          "MASTER_ADDR": "gpu017", "MASTER_PORT": "29400"})
+    env = DistEnv.from_environ()
+    assert (env.rank, env.local_rank, env.world_size, env.local_world_size, env.launcher) == (3, 3, 8, 4, "torchrun")
+
+
+def test_submitit_local_executor_tasks(environ):
+    environ({"SUBMITIT_EXECUTOR": "local", "SUBMITIT_LOCAL_JOB_ID": "777", "SUBMITIT_LOCAL_NTASKS": "2",
+             "SUBMITIT_LOCAL_JOB_NUM_NODES": "1", "SUBMITIT_LOCAL_NODEID": "0", "SUBMITIT_LOCAL_GLOBALID": "1",
+             "SUBMITIT_LOCAL_LOCALID": "1"})
+    env = DistEnv.from_environ()
+    assert (env.rank, env.local_rank, env.world_size, env.local_world_size, env.launcher) == (1, 1, 2, 2, "submitit")
+
+
+def test_the_slurm_launcher_runs_one_task_per_gpu(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)  # resolving the launcher's folder claims a sweep dir
+    register_configs()
+    register_resolvers()
+    with initialize_config_dir(config_dir=str(REPO / "conf"), version_base="1.3"):
+        cfg = compose("config", overrides=["hydra/launcher=slurm", "hydra.launcher.gpus_per_node=4", "hydra.launcher.nodes=2",
+                                           "hydra.launcher.partition=gpu"], return_hydra_config=True)
+    launcher = instantiate(cfg.hydra.launcher)
+    assert type(launcher).__name__ == "SlurmLauncher"
+    assert {key: launcher.params[key] for key in ("nodes", "gpus_per_node", "tasks_per_node", "partition")} == \
+        {"nodes": 2, "gpus_per_node": 4, "tasks_per_node": 4, "partition": "gpu"}
+    assert launcher.params["max_num_timeout"] > 0  # requeued after a timeout
+
+
+# --- real launches: every one trains the same run, which must end with the same weights --------
+
+# 8 steps per epoch, 48 in all
+CLUSTER = ["strategy=ddp", *[arg for arg in TINY if "max_epochs" not in arg], "trainer.max_epochs=6", "checkpoint.every_n_steps=8"]
+
+
+def final_weights(run_dir: Path) -> dict[str, torch.Tensor]:
+    return torch.load(run_dir / "checkpoints" / "last.pt", weights_only=True)["model"]
+
+
+def assert_same_weights(actual: dict, expected: dict) -> None:
+    assert actual.keys() == expected.keys()
+    different = [key for key in expected if not torch.equal(actual[key], expected[key])]
+    assert not different, different
+
+
+@pytest.fixture(scope="module")
+def one_node(tmp_path_factory) -> dict[str, torch.Tensor]:
+    """The reference: torchrun, 1 node x 2 processes."""
+    cwd = tmp_path_factory.mktemp("one_node")
+    check(launch(CLUSTER, cwd, nproc=2))
+    (run_dir,) = run_dirs(cwd)
+    return final_weights(run_dir)
+
+
+def free_port() -> int:
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        return probe.getsockname()[1]
+
+
+def launch_env(share_store: bool = False) -> dict[str, str]:
+    # One thread per rank, as torchrun sets for several processes per node: the reference's reductions.
+    env = {k: v for k, v in os.environ.items() if k not in LAUNCH_VARIABLES}
+    return env | {"PYTHONUNBUFFERED": "1", "OMP_NUM_THREADS": "1", "TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "0" if share_store else "1"}
+
+
+def two_nodes(node_args: list[list[str]], cwd: Path, share_store: bool) -> None:
+    """One torchrun agent per "node", both on this host and in one working dir (a shared filesystem)."""
+    env = launch_env(share_store)
+    agents = [subprocess.Popen([str(TORCHRUN), "--nnodes=2", "--nproc-per-node=1", *args, str(TRAIN), *CLUSTER],
+                               cwd=cwd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+              for args in node_args]
+    for agent in agents:
+        output, _ = agent.communicate(timeout=240)
+        assert agent.returncode == 0, output[-6000:]
+
+
+def test_two_nodes_with_static_rendezvous_train_as_one_node(one_node, tmp_path):
+    """--master-addr/--master-port and --node-rank, torchrun's shared store (its default) on."""
+    port = free_port()
+    two_nodes([[f"--node-rank={node}", "--master-addr=127.0.0.1", f"--master-port={port}"] for node in (0, 1)],
+              tmp_path, share_store=True)
+    (run_dir,) = run_dirs(tmp_path)
+    assert sorted(p.name for p in run_dir.glob("train_rank*.log")) == ["train_rank0.log", "train_rank1.log"]
+    assert_same_weights(final_weights(run_dir), one_node)
+
+
+def test_two_nodes_with_c10d_rendezvous_train_as_one_node(one_node, tmp_path):
+    """--rdzv-backend=c10d with an endpoint and an id, the Makefile's setting (no shared store)."""
+    endpoint, run_id = f"127.0.0.1:{free_port()}", uuid.uuid4().hex
+    two_nodes([["--rdzv-backend=c10d", f"--rdzv-endpoint={endpoint}", f"--rdzv-id={run_id}"]] * 2, tmp_path, share_store=False)
+    (run_dir,) = run_dirs(tmp_path)
+    assert_same_weights(final_weights(run_dir), one_node)
+    assert not (tmp_path / "outputs" / ".launches").exists()  # the launch's claim files are gone
+
+
+SUBMITIT_LOCAL = ["-m", "hydra/launcher=submitit_local", "hydra.launcher.tasks_per_node=2"]
+
+
+def the_job_dir(cwd: Path) -> Path:
+    (job_dir,) = [d for d in (cwd / "outputs" / "multirun").glob("*/*") if d.is_dir() and not d.name.startswith(".")]
+    return job_dir
+
+
+def test_a_submitit_job_with_two_tasks_is_one_ddp_run(one_node, tmp_path):
+    result = launch([*SUBMITIT_LOCAL, *CLUSTER], tmp_path, env=launch_env())
+    check(result)
+    job_dir = the_job_dir(tmp_path)
+    # one task (rank 0) writes .hydra/, events and results; each task its own log
+    assert [p.relative_to(tmp_path) for p in tmp_path.rglob(".hydra")] == [(job_dir / ".hydra").relative_to(tmp_path)]
+    assert sorted(p.name for p in job_dir.glob("*.log")) == ["train_rank0.log", "train_rank1.log"]
+    assert len(list(job_dir.glob("events.out.tfevents.*"))) == 1
+    assert_same_weights(final_weights(job_dir), one_node)
+    results = json.loads((job_dir / "results.json").read_text())
+    assert results["world_size"] == 2 and results["replicas_identical"]
+    (row,) = [line for line in result.stdout.splitlines() if line.startswith("| 0 |")]  # the sweep summary's
+    assert f"| 0 | {' '.join(CLUSTER)} | 2 |" in row and "| ok |" in row, row
+
+
+def _tasks_of(session: int) -> list[int]:
+    """The submitit tasks (one per rank) among the processes of a session."""
+    pids = []
+    for entry in Path("/proc").iterdir():
+        try:
+            if entry.name.isdigit() and os.getsid(int(entry.name)) == session and \
+                    b"submitit.core._submit" in (entry / "cmdline").read_bytes():
+                pids.append(int(entry.name))
+        except (OSError, ProcessLookupError):
+            continue  # ended meanwhile
+    return pids
+
+
+def test_a_requeued_submitit_job_saves_on_the_signal_and_resumes_bit_identically(one_node, tmp_path):
+    """SLURM sends USR2 to every task before the time limit (and on preemption): the run saves at the
+    next step boundary, submitit requeues the job with the same overrides into the same dir, and it
+    finishes as if never stopped."""
+    sweep = subprocess.Popen([sys.executable, str(TRAIN), *SUBMITIT_LOCAL, *CLUSTER], cwd=tmp_path, env=launch_env(),
+                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True)
+    deadline = time.monotonic() + 120
+    while not list(tmp_path.glob("outputs/multirun/*/0_*/checkpoints/step-*.pt")):  # training, and saving
+        assert sweep.poll() is None and time.monotonic() < deadline, "no checkpoint"
+        time.sleep(0.05)
+    tasks = _tasks_of(sweep.pid)
+    assert len(tasks) == 2
+    for pid in tasks:
+        os.kill(pid, signal.SIGUSR2)
+    output, _ = sweep.communicate(timeout=240)
+    assert sweep.returncode == 0, output[-6000:]
+
+    job_dir = the_job_dir(tmp_path)
+    rank0 = (job_dir / "train_rank0.log").read_text()
+    (stop,) = [line for line in rank0.splitlines() if "stopped by SIGUSR2 at step" in line]
+    step = int(stop.split("at step ")[1].split()[0])
+    assert 8 < step < 48 and step % 2 == 0, stop  # the next check step (log_every_n_steps=2)
+    assert "submitit requeues the job" in stop
+    assert f"resumed from {job_dir / 'checkpoints' / 'last.pt'} at epoch {step // 8}, batch {step % 8}, step {step}" in rank0
+    assert json.loads((job_dir / "results.json").read_text())["steps"] == 48
+    assert_same_weights(final_weights(job_dir), one_node)
