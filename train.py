@@ -32,7 +32,7 @@ from data import build_datasets
 from data.mix import build_batch_mix
 from ddp.checkpoint import save_step_checkpoint
 from ddp.config import ConfigError, check_model_accepts, instantiate_checked, optimizer_node, register_configs, validate
-from ddp.env import DistEnv, select_device, use_deterministic_cudnn
+from ddp.env import DistEnv, restrict_visible_gpus, select_device, use_deterministic_cudnn
 from ddp.faults import inject_fault
 from ddp.launch import launch_workers
 from ddp.loaders import build_train_loader, build_val_loader, iterate_from, start_epoch, start_worker_server
@@ -160,6 +160,7 @@ def run(cfg: DictConfig, run_dir: Path, relaunch: str) -> dict:
     # resolve env and check the config before anything starts or is written
     env = DistEnv.from_environ()
     validate(cfg, launched=env.launched, world_size=env.world_size)
+    restrict_visible_gpus(cfg.devices)  # before the first CUDA call below
     distributed = cfg.strategy.name == "ddp"
     backend = resolve_backend(cfg.backend, torch.cuda.is_available())
     device = select_device(env, backend if distributed else None, torch.cuda.device_count())

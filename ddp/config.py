@@ -202,6 +202,8 @@ class TrainConfig:
     fault: FaultConfig = field(default_factory=FaultConfig)
     mode: str = "train"  # train | eval: evaluate the checkpoint that `resume` names, train nothing
     resume: str | None = None  # auto | a run dir | a checkpoint file; auto after a torchrun restart
+    # The GPUs this run may use, e.g. [0, 2] (seen as cuda:0 and cuda:1); null: all that CUDA_VISIBLE_DEVICES leaves
+    devices: list[int] | None = None
     backend: str = "auto"  # auto | nccl | gloo; auto is nccl when CUDA is available, else gloo
     syncbn: bool = False  # synchronize BatchNorm statistics across ranks (strategy=ddp)
     deterministic: bool = False  # cuDNN picks deterministic algorithms only (exact resume on GPUs; slower)
@@ -305,6 +307,10 @@ def validate(cfg: Any, *, launched: bool, world_size: int) -> None:
         raise ConfigError(f"{key} is required: pass {key}=<value> on the command line")
     strategy = cfg.strategy.name
     _check(strategy in STRATEGIES, f"strategy.name={strategy}: unknown, use one of {', '.join(STRATEGIES)}")
+    if cfg.devices is not None:
+        devices = list(cfg.devices)
+        _check(len(devices) > 0 and min(devices) >= 0 and len(set(devices)) == len(devices),
+               f"devices={devices}: list distinct GPU indices >= 0 (e.g. devices=[0,2]), or devices=null for all visible GPUs")
     _check(cfg.backend in BACKENDS, f"backend={cfg.backend}: unknown, use one of {', '.join(BACKENDS)}")
     _check(cfg.data.batch_size > 0, f"data.batch_size={cfg.data.batch_size}: must be > 0 (it is per process), e.g. data.batch_size=32")
     _check(cfg.data.num_workers >= 0, f"data.num_workers={cfg.data.num_workers}: must be >= 0")

@@ -71,6 +71,21 @@ class DistEnv:
         return self.rank == 0
 
 
+def restrict_visible_gpus(devices: list[int] | None) -> None:
+    """`devices=[0, 2]`: this process sees only those GPUs, as cuda:0 and cuda:1. CUDA reads
+    CUDA_VISIBLE_DEVICES once, when it starts; set later, the variable changes nothing, so it is
+    set here, before anything in the run touches CUDA."""
+    if devices is None:
+        return
+    visible = ",".join(str(index) for index in devices)
+    if torch.cuda.is_initialized() and os.environ.get("CUDA_VISIBLE_DEVICES") != visible:
+        raise ConfigError(
+            f"devices={list(devices)}: CUDA is already initialised in this process (by an earlier job of this sweep, or "
+            "by code that ran before train.py), so its visible GPUs can't change: set CUDA_VISIBLE_DEVICES in the shell instead"
+        )
+    os.environ["CUDA_VISIBLE_DEVICES"] = visible
+
+
 def select_device(env: DistEnv, backend: str | None, visible_gpus: int) -> torch.device:
     """The device this process trains on; everything moves there with .to(device).
 

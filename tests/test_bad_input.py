@@ -202,6 +202,8 @@ OUR_ERRORS = {
     "model_kwarg_the_model_rejects": (
         QUICK + ["model=torchvision", "model.name=resnet18", "+model.kwargs.depth=3"], "model", "unexpected keyword argument 'depth'", None,
     ),
+    "repeated_device": (QUICK + ["devices=[0,0]"], "devices=[0, 0]", "distinct GPU indices", None),
+    "negative_device": (QUICK + ["devices=[-1]"], "devices=[-1]", "distinct GPU indices", None),
     "missing_weights_file": (QUICK + ["model.weights_path={tmp}/missing.pt"], "model.weights_path={tmp}/missing.pt", "not found", None),
     "pickled_weights": (QUICK + ["model.weights_path={dir}"], "model.weights_path", "refused, it holds pickled objects", _pickled_model),
     "weights_of_another_model": (

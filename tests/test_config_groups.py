@@ -51,7 +51,7 @@ DEFAULT_KEYS = {
     "trainer.limit_train_batches", "trainer.limit_val_batches", "trainer.warmup_steps",
     "checkpoint.every_n_steps", "checkpoint.keep_last",
     "fault.kill_rank", "fault.raise_rank", "fault.stall_rank", "fault.at_step", "fault.every_attempt",
-    "ema.decay", "backend", "syncbn", "deterministic", "precision", "channels_last", "compile", "compile_mode", "seed", "mode", "resume",
+    "ema.decay", "devices", "backend", "syncbn", "deterministic", "precision", "channels_last", "compile", "compile_mode", "seed", "mode", "resume",
 }
 
 LOADING = {"_target_", "batch_size", "num_workers", "mixup_alpha", "cutmix_alpha", "split"}

@@ -12,7 +12,7 @@ import torch
 
 from conftest import REPO
 from ddp.config import ConfigError
-from ddp.env import DistEnv, select_device
+from ddp.env import DistEnv, restrict_visible_gpus, select_device
 from ddp.resume import capture_rank_state, restore_rank_state
 from ddp.wrap import process_gpus
 
@@ -20,6 +20,16 @@ from ddp.wrap import process_gpus
 def _rank(local_rank: int, local_world_size: int = 8) -> DistEnv:
     return DistEnv(rank=local_rank, local_rank=local_rank, world_size=local_world_size,
                    local_world_size=local_world_size, launcher="torchrun")
+
+
+def test_devices_set_the_visible_gpus_before_cuda_starts(monkeypatch):
+    """CUDA reads CUDA_VISIBLE_DEVICES once, when it starts (`make gpu-check` checks the refusal after that)."""
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "")
+    restrict_visible_gpus(None)
+    assert os.environ["CUDA_VISIBLE_DEVICES"] == ""
+    restrict_visible_gpus([0, 2])
+    assert os.environ["CUDA_VISIBLE_DEVICES"] == "0,2"
+    assert not torch.cuda.is_initialized()
 
 
 def test_no_visible_gpu_is_cpu():

@@ -148,7 +148,7 @@ def check_peak_memory_resets_between_multirun_jobs(scratch: Path) -> str:
     launch(["-m", "strategy=single", "model=resnet18", "data=synthetic", "data.image_size=32", "data.num_samples=1024",
             "data.num_val_samples=64", "trainer.max_epochs=1", "trainer.limit_train_batches=3", "data.batch_size=256,8"], cwd)
     sweep = next((cwd / "outputs" / "multirun").iterdir())
-    big, small = (json.loads((sweep / str(job) / "results.json").read_text()) for job in (0, 1))
+    big, small = (json.loads(next(sweep.glob(f"{job}_*/results.json")).read_text()) for job in (0, 1))
     total_mb = torch.cuda.get_device_properties(0).total_memory / 2**20
     assert 0 < small["peak_memory_mb"] < big["peak_memory_mb"] < total_mb, (big["peak_memory_mb"], small["peak_memory_mb"])
     assert big["peak_memory_device"] == small["peak_memory_device"] == "cuda:0"
@@ -164,6 +164,18 @@ def check_resnet18_throughput(scratch: Path) -> str:
     return f"resnet18, 32x32, batch 256, fp32: {found['samples_per_s']:.0f} samples/s ({found['peak_memory_mb']:.0f} MiB peak)"
 
 
+def check_devices_restrict_the_visible_gpus(scratch: Path) -> str:
+    code = ("import torch\nfrom ddp.config import ConfigError\nfrom ddp.env import restrict_visible_gpus\n"
+            "restrict_visible_gpus([0])\nprint(torch.cuda.device_count())\ntorch.cuda.init()\n"
+            "try:\n    restrict_visible_gpus([1])\nexcept ConfigError as error:\n    print(error)\n")
+    out = subprocess.run([sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True, timeout=120,
+                         env=os.environ | {"CUDA_VISIBLE_DEVICES": "0,1"})
+    assert out.returncode == 0, out.stderr[-2000:]
+    count, refusal = out.stdout.strip().splitlines()
+    assert count == "1" and "CUDA is already initialised" in refusal, out.stdout
+    return "devices=[0] before CUDA starts: 1 GPU visible; devices=[1] after: refused with one line"
+
+
 CHECKS = [
     check_single_learns_digits,
     check_nccl_world_size_1_with_torch_syncbn,
@@ -172,6 +184,7 @@ CHECKS = [
     check_kill_and_resume_is_exact,
     check_checkpoint_loads_on_a_cpu_only_host,
     check_peak_memory_resets_between_multirun_jobs,
+    check_devices_restrict_the_visible_gpus,
     check_resnet18_throughput,
 ]
 
