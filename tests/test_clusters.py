@@ -9,7 +9,6 @@ import socket
 import subprocess
 import sys
 import time
-import uuid
 from pathlib import Path
 
 import pytest
@@ -156,13 +155,41 @@ def test_two_nodes_with_static_rendezvous_train_as_one_node(one_node, tmp_path):
     assert_same_weights(final_weights(run_dir), one_node)
 
 
-def test_two_nodes_with_c10d_rendezvous_train_as_one_node(one_node, tmp_path):
-    """--rdzv-backend=c10d with an endpoint and an id, the Makefile's setting (no shared store)."""
-    endpoint, run_id = f"127.0.0.1:{free_port()}", uuid.uuid4().hex
-    two_nodes([["--rdzv-backend=c10d", f"--rdzv-endpoint={endpoint}", f"--rdzv-id={run_id}"]] * 2, tmp_path, share_store=False)
-    (run_dir,) = run_dirs(tmp_path)
-    assert_same_weights(final_weights(run_dir), one_node)
-    assert not (tmp_path / "outputs" / ".launches").exists()  # the launch's claim files are gone
+# Stand-ins for SLURM's commands, which this host lacks: srun starts its command once per node (here
+# all on this host, as --ntasks-per-node=1 would), scontrol names this host as the first node.
+FAKE_SRUN = """#!/bin/bash
+while [[ $1 == --* ]]; do shift; done
+pids=()
+for node in $(seq 0 $((SLURM_JOB_NUM_NODES - 1))); do SLURM_NODEID=$node SLURM_PROCID=$node "$@" & pids+=($!); done
+status=0
+for pid in "${pids[@]}"; do wait "$pid" || status=$?; done
+exit $status
+"""
+FAKE_SCONTROL = """#!/bin/bash
+[[ $1 == show && $2 == hostnames ]] && echo 127.0.0.1
+"""
+
+
+def test_the_sbatch_script_trains_two_nodes_as_one(one_node, tmp_path):
+    """scripts/slurm/ddp.sbatch: one torchrun agent per node, c10d rendezvous (endpoint and id) on the
+    first host; the two-node c10d launch of the README."""
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir()
+    for name, text in (("srun", FAKE_SRUN), ("scontrol", FAKE_SCONTROL)):
+        (bin_dir / name).write_text(text)
+        (bin_dir / name).chmod(0o755)
+    env = launch_env(share_store=True) | {
+        "PATH": os.pathsep.join([str(bin_dir), str(TORCHRUN.parent), os.environ["PATH"]]),
+        "SLURM_JOB_ID": "4242", "SLURM_JOB_NUM_NODES": "2", "SLURM_JOB_NODELIST": "node[1-2]",
+        "SLURM_SUBMIT_DIR": str(REPO), "RUN_DIR": str(tmp_path / "run"), "RDZV_PORT": str(free_port()),
+    }
+    outputs_before = sorted((REPO / "outputs").iterdir())
+    result = subprocess.run(["bash", str(REPO / "scripts" / "slurm" / "ddp.sbatch"), *CLUSTER[1:]], env=env,
+                            capture_output=True, text=True, timeout=240)
+    check(result)
+    assert sorted(p.name for p in (tmp_path / "run").glob("train_rank*.log")) == ["train_rank0.log", "train_rank1.log"]
+    assert_same_weights(final_weights(tmp_path / "run"), one_node)
+    assert sorted((REPO / "outputs").iterdir()) == outputs_before  # everything went to RUN_DIR
 
 
 SUBMITIT_LOCAL = ["-m", "hydra/launcher=submitit_local", "hydra.launcher.tasks_per_node=2"]
