@@ -75,14 +75,17 @@ def train_one_epoch(update, batches, epoch_batches, position, length, log_every_
     each (an epoch's last group may be shorter). `record_batch(index, step)`: the fault.record_samples_dir aid."""
     update.model.train()
     logged_step, logged_at = position.global_step, time.perf_counter()
-    group_samples = 0
+    group_samples, first_batch = 0, None
     for batch_index, (images, labels) in batches:
         if batch_index >= epoch_batches or position.global_step >= length.max_steps:
             break
         if record_batch is not None:
             record_batch(batch_index, position.global_step + 1)  # the update this batch counts toward
-        group_start = batch_index - batch_index % length.accumulate
-        group_size = min(length.accumulate, epoch_batches - group_start)
+        first_batch = batch_index if first_batch is None else first_batch
+        aligned_start = batch_index - batch_index % length.accumulate
+        # a resume at another world size may land inside a group: that group starts where the resume does
+        group_start = max(aligned_start, first_batch)
+        group_size = min(aligned_start + length.accumulate, epoch_batches) - group_start
         loss = update.micro_step(images, labels, batch_index - group_start, group_size)
         position.batch_in_epoch = batch_index + 1
         position.epoch_totals[0] += loss.double() * len(labels)  # on the device: no host sync per step
