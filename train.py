@@ -33,7 +33,7 @@ from data.mix import build_batch_mix
 from ddp.checkpoint import save_step_checkpoint
 from ddp.config import ConfigError, check_model_accepts, instantiate_checked, optimizer_node, register_configs, validate
 from ddp.env import DistEnv, restrict_visible_gpus, select_device, use_deterministic_cudnn
-from ddp.faults import inject_fault
+from ddp.faults import SampleRecorder, inject_fault
 from ddp.launch import launch_workers
 from ddp.loaders import build_train_loader, build_val_loader, iterate_from, start_epoch, start_worker_server
 from ddp.meter import ThroughputMeter, peak_memory, reset_peak_memory
@@ -68,18 +68,24 @@ from models import build_model
 log = logging.getLogger("train")
 
 
-def train_one_epoch(update, batches, position, length, log_every_n_steps, world_size, writer, after_update) -> None:
-    """Train on `batches` ((index, batch) pairs) until the epoch ends or the run's last update is done.
-    Micro-batches form groups of trainer.accumulate_grad_batches, one optimizer update each (an
-    epoch's last group may be shorter)."""
+def train_one_epoch(update, batches, epoch_batches, position, length, log_every_n_steps, world_size, writer, after_update,
+                    record_batch=None) -> None:
+    """Train on `batches` ((index, batch) pairs) until the epoch's `epoch_batches` are done or the run's
+    last update is. Micro-batches form groups of trainer.accumulate_grad_batches, one optimizer update
+    each (an epoch's last group may be shorter). `record_batch(index, step)`: the fault.record_samples_dir aid."""
     update.model.train()
     logged_step, logged_at = position.global_step, time.perf_counter()
-    group_samples = 0
+    group_samples, first_batch = 0, None
     for batch_index, (images, labels) in batches:
-        if batch_index == length.batches_per_epoch or position.global_step >= length.total_updates:
+        if batch_index >= epoch_batches or position.global_step >= length.max_steps:
             break
-        group_start = batch_index - batch_index % length.accumulate
-        group_size = min(length.accumulate, length.batches_per_epoch - group_start)
+        if record_batch is not None:
+            record_batch(batch_index, position.global_step + 1)  # the update this batch counts toward
+        first_batch = batch_index if first_batch is None else first_batch
+        aligned_start = batch_index - batch_index % length.accumulate
+        # a resume at another world size may land inside a group: that group starts where the resume does
+        group_start = max(aligned_start, first_batch)
+        group_size = min(aligned_start + length.accumulate, epoch_batches) - group_start
         loss = update.micro_step(images, labels, batch_index - group_start, group_size)
         position.batch_in_epoch = batch_index + 1
         position.epoch_totals[0] += loss.double() * len(labels)  # on the device: no host sync per step
@@ -100,7 +106,7 @@ def train_one_epoch(update, batches, position, length, log_every_n_steps, world_
             writer.add_scalar("train/samples_per_s", samples / (now - logged_at), position.global_step)
             writer.add_scalar("train/samples_per_s_per_rank", samples / (now - logged_at) / world_size, position.global_step)
             logged_step, logged_at = position.global_step, now
-        epoch_ends = position.batch_in_epoch == length.batches_per_epoch or position.global_step >= length.total_updates
+        epoch_ends = position.batch_in_epoch == epoch_batches or position.global_step >= length.max_steps
         after_update(group_samples * world_size, epoch_ends)
         group_samples = 0
 
@@ -138,8 +144,12 @@ class TrainingLength:
     batches_per_epoch: int  # micro-batches of this rank per epoch (all ranks have the same number)
     accumulate: int  # micro-batches per optimizer update
     updates_per_epoch: int
-    total_updates: int  # trainer.max_epochs of them, or trainer.max_steps if that ends first
+    total_updates: int  # trainer.max_epochs of them, or trainer.max_steps if that ends first (the schedule's length)
+    # The loop ends after trainer.max_epochs, or at this step: not at total_updates, since a run
+    # resumed at another world size has counted some of its updates in another global batch.
+    max_steps: float  # trainer.max_steps, or inf
     global_batch: int  # samples per update over all ranks
+    samples_per_batch: int  # samples of one micro-batch over all ranks: batch_size x world_size
 
     @classmethod
     def of(cls, trainer_cfg, train_size: int, batch_size: int, world_size: int) -> "TrainingLength":
@@ -147,11 +157,15 @@ class TrainingLength:
         if trainer_cfg.limit_train_batches != -1:
             batches = min(batches, trainer_cfg.limit_train_batches)
         accumulate = trainer_cfg.accumulate_grad_batches
+        if trainer_cfg.global_batch_size is not None:  # the same global batch at any world size (validate: it divides)
+            accumulate = trainer_cfg.global_batch_size // (batch_size * world_size)
         updates_per_epoch = math.ceil(batches / accumulate)
         total = updates_per_epoch * trainer_cfg.max_epochs
         if trainer_cfg.max_steps != -1:
             total = min(total, trainer_cfg.max_steps)
-        return cls(batches, accumulate, updates_per_epoch, total, batch_size * world_size * accumulate)
+        max_steps = trainer_cfg.max_steps if trainer_cfg.max_steps != -1 else math.inf
+        return cls(batches, accumulate, updates_per_epoch, total, max_steps, batch_size * world_size * accumulate,
+                   batch_size * world_size)
 
 
 def run(cfg: DictConfig, run_dir: Path, relaunch: str) -> dict:
@@ -286,7 +300,7 @@ def fit(cfg: DictConfig, env: DistEnv, device: torch.device, gpus: list[int], me
     if resumed:
         optimizer.load_state_dict(resumed[1]["optimizer"])
         update.load_state_dict(resumed[1])
-        position, rank_state = resume_position(*resumed, world_size, env.rank)
+        position, rank_state = resume_position(*resumed, cfg.data.batch_size, world_size, env.rank)
     position.epoch_totals = position.epoch_totals.to(device)
 
     writer = RankZeroWriter(run_dir, env, purge_step=position.global_step + 1 if resumed else None)
@@ -297,14 +311,15 @@ def fit(cfg: DictConfig, env: DistEnv, device: torch.device, gpus: list[int], me
     )
 
     meter = ThroughputMeter(trainer.warmup_steps, device)
+    recorder = SampleRecorder(cfg.fault.record_samples_dir, env.rank, cfg.data.batch_size) if cfg.fault.record_samples_dir else None
 
     def save() -> None:
         # A collective: every rank contributes its RNG state, rank 0 writes; never non-finite weights.
         update.check_finite(position.global_step, raw_model)
         rank_states = gather_rank_states(capture_rank_state(train_loader.generator, position.epoch_totals, gpus))
         if env.is_main:
-            state = checkpoint_state(raw_model, optimizer, update.state_dict(), position, rank_states,
-                                     OmegaConf.to_container(cfg, resolve=True))
+            state = checkpoint_state(raw_model, optimizer, update.state_dict(), position, length.samples_per_batch,
+                                     rank_states, OmegaConf.to_container(cfg, resolve=True))
             save_step_checkpoint(state, run_dir, position.global_step, cfg.checkpoint.keep_last)
         if dist.is_initialized():
             dist.barrier()  # nobody runs ahead (or exits) before the checkpoint exists
@@ -356,21 +371,25 @@ def fit(cfg: DictConfig, env: DistEnv, device: torch.device, gpus: list[int], me
     with stopper:  # SIGTERM, Ctrl-C and submitit's requeue signal: save at the next step boundary, then exit
         started = time.perf_counter()
         metrics: dict[str, float] = {}
-        while position.epoch < trainer.max_epochs and position.global_step < length.total_updates:
+        while position.epoch < trainer.max_epochs and position.global_step < length.max_steps:
             epoch_started = time.perf_counter()
-            start_epoch(train_loader, position.epoch, cfg.seed, env.rank)
+            start_epoch(train_loader, position.epoch, cfg.seed, env.rank, position.epoch_start)
+            # as many as the full epoch, but a resumed epoch that starts part-way may have one fewer
+            epoch_batches = min(len(train_loader), length.batches_per_epoch)
             restore = (lambda state=rank_state: restore_rank_state(state, gpus)) if rank_state else None
             batches = meter.timed(iterate_from(train_loader, position.batch_in_epoch, on_resume=restore))
             rank_state = None
+            record_batch = recorder.start_epoch(train_loader.sampler, position.epoch) if recorder else None
             meter.resume()
-            train_one_epoch(update, batches, position, length, trainer.log_every_n_steps, world_size, writer, after_update)
+            train_one_epoch(update, batches, epoch_batches, position, length, trainer.log_every_n_steps, world_size, writer,
+                            after_update, record_batch)
             meter.pause()
 
             loss_sum, count = all_reduce_sum(position.epoch_totals.clone()).tolist()
             metrics = {"train_loss": loss_sum / max(count, 1)}
             writer.add_scalar("train/epoch_loss", metrics["train_loss"], position.global_step)
             writer.add_scalar("train/epoch_time_s", time.perf_counter() - epoch_started, position.global_step)
-            last_epoch = position.epoch == trainer.max_epochs - 1 or position.global_step >= length.total_updates
+            last_epoch = position.epoch == trainer.max_epochs - 1 or position.global_step >= length.max_steps
             if (position.epoch + 1) % trainer.val_every_n_epochs == 0 or last_epoch:
                 metrics |= validate_model()
                 for key, value in metrics.items():
@@ -380,8 +399,8 @@ def fit(cfg: DictConfig, env: DistEnv, device: torch.device, gpus: list[int], me
                          " ".join(f"{key}={value:.4f}" for key, value in metrics.items() if key != "val_samples"))
             # A max_steps stop mid-epoch stays where it is (epoch, batch and partial sums), so a longer
             # run resumed from it continues the epoch exactly; validation doesn't touch the RNGs.
-            if position.batch_in_epoch == length.batches_per_epoch:
-                position.epoch, position.batch_in_epoch = position.epoch + 1, 0
+            if position.batch_in_epoch >= epoch_batches:
+                position.epoch, position.batch_in_epoch, position.epoch_start = position.epoch + 1, 0, 0
                 position.epoch_totals = torch.zeros_like(position.epoch_totals)
             if every_n and position.global_step % every_n == 0:
                 save()
@@ -395,11 +414,12 @@ def fit(cfg: DictConfig, env: DistEnv, device: torch.device, gpus: list[int], me
             save()
     peak_mb, peak_device = peak_memory(gpus, memory_reset)
     per_rank = gather_per_rank([meter.data_wait_fraction, peak_mb], device)  # (data wait, peak memory) of every rank
+    epoch_samples = length.samples_per_batch * length.batches_per_epoch  # with the padding
     results = {
         **metrics,
         "steps": position.global_step,
         "epochs": position.epoch,  # completed
-        "epoch_progress": position.epoch + position.batch_in_epoch / length.batches_per_epoch,
+        "epoch_progress": position.epoch + position.samples_in_epoch(length.samples_per_batch) / epoch_samples,
         "world_size": world_size,
         "strategy": cfg.strategy.name,
         "batch_size": cfg.data.batch_size,

@@ -163,6 +163,9 @@ class TrainerConfig:
     max_epochs: int = 10
     max_steps: int = -1  # -1: no limit; otherwise stop after this many optimizer steps (updates)
     accumulate_grad_batches: int = 1  # micro-batches per optimizer update
+    # null: batch_size x world_size x accumulate_grad_batches. Set, it derives accumulate_grad_batches
+    # at each world size, so an elastic run keeps its global batch (and updates per epoch) when it scales.
+    global_batch_size: int | None = None
     gradient_clip_norm: float | None = None  # null: off; else clip the global grad norm to this
     label_smoothing: float = 0.0  # of the training loss (F.cross_entropy's); validation reports the plain loss
     log_every_n_steps: int = 10  # at most MAX_LOG_EVERY_N_STEPS: DDP ranks also agree on SIGTERM then
@@ -187,6 +190,7 @@ class FaultConfig:
     stall_rank: int = -1  # this rank hangs, until the process-group timeout ends the job
     at_step: int = -1
     every_attempt: bool = False  # fail after torchrun restarts too (exhausts --max-restarts)
+    record_samples_dir: str | None = None  # each rank appends the dataset indices of every batch it trains here
 
 
 @dataclass
@@ -352,6 +356,16 @@ def validate(cfg: Any, *, launched: bool, world_size: int) -> None:
            f"compile_mode={cfg.compile_mode}: unknown, use null or one of {', '.join(m for m in COMPILE_MODES if m)}")
     _check(trainer.accumulate_grad_batches >= 1,
            f"trainer.accumulate_grad_batches={trainer.accumulate_grad_batches}: must be >= 1 (micro-batches per update)")
+    global_batch = trainer.global_batch_size
+    if global_batch is not None:
+        per_batch = cfg.data.batch_size * world_size
+        _check(trainer.accumulate_grad_batches == 1,
+               f"trainer.global_batch_size={global_batch} sets trainer.accumulate_grad_batches itself: "
+               f"drop trainer.accumulate_grad_batches={trainer.accumulate_grad_batches}")
+        _check(global_batch >= 1 and global_batch % per_batch == 0,
+               f"trainer.global_batch_size={global_batch}: must be a multiple of data.batch_size x world size = "
+               f"{cfg.data.batch_size} x {world_size} = {per_batch} (it is accumulated from those batches): change "
+               "trainer.global_batch_size or data.batch_size, for an elastic run so that every world size divides it")
     clip = trainer.gradient_clip_norm
     _check(clip is None or clip > 0, f"trainer.gradient_clip_norm={clip}: must be > 0, or null for no clipping")
     _check(0 <= trainer.label_smoothing < 1, f"trainer.label_smoothing={trainer.label_smoothing}: must be in [0, 1), e.g. 0.1")

@@ -1,9 +1,13 @@
-"""Injected faults, a testing aid for fault tolerance. Off by default (`fault.*` = -1)."""
+"""Injected faults and a record of the samples trained: testing aids for fault tolerance. Off by
+default (`fault.*` = -1, `fault.record_samples_dir` = null)."""
 
+import json
 import logging
 import os
 import signal
 import time
+from collections.abc import Callable
+from pathlib import Path
 
 log = logging.getLogger(__name__)
 
@@ -24,3 +28,28 @@ def inject_fault(fault_cfg, rank: int, step: int) -> None:
         log.warning("fault.stall_rank=%d: stalling at step %d", rank, step)
         while True:
             time.sleep(60)
+
+
+class SampleRecorder:
+    """fault.record_samples_dir: every rank appends one JSON line per batch it trains, with the
+    dataset indices, the epoch and the update (global step) the batch counts toward, to
+    `<dir>/rank<R>_attempt<A>.jsonl` (A: torchrun's restart count). A test can then check that each
+    sample was trained once, across kills, restarts and world sizes."""
+
+    def __init__(self, directory: str, rank: int, batch_size: int):
+        attempt = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
+        self.path = Path(directory) / f"rank{rank}_attempt{attempt}.jsonl"
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        self.batch_size = batch_size
+
+    def start_epoch(self, sampler, epoch: int) -> Callable[[int, int], None]:
+        """The epoch's `record_batch(batch_index, step)`. The loader batches the sampler's indices in
+        order (no drop_last), so batch i holds indices[i * batch_size:(i + 1) * batch_size]."""
+        indices = list(sampler)
+
+        def record_batch(batch_index: int, step: int) -> None:
+            ids = indices[batch_index * self.batch_size:(batch_index + 1) * self.batch_size]
+            with open(self.path, "a") as f:  # whole lines, even if the process is killed next
+                f.write(json.dumps({"epoch": epoch, "step": step, "batch": batch_index, "ids": ids}) + "\n")
+
+        return record_batch

@@ -2,6 +2,7 @@
 
 import contextlib
 import functools
+import math
 import multiprocessing
 import multiprocessing.forkserver
 import multiprocessing.resource_tracker
@@ -10,7 +11,7 @@ import select
 import signal
 import sys
 import threading
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
 
 import torch
@@ -39,6 +40,60 @@ class ShardSampler(Sampler[int]):
 
     def __len__(self) -> int:
         return len(self.indices)
+
+
+def epoch_order(size: int, seed: int, epoch: int) -> list[int]:
+    """The epoch's shuffled order of all samples, the same for every world size: DistributedSampler's
+    own shuffle (a randperm seeded by seed + epoch), before it pads and deals it out to the ranks."""
+    sampler = DistributedSampler(range(size), num_replicas=1, rank=0, shuffle=True, seed=seed)
+    sampler.set_epoch(epoch)
+    return list(sampler)
+
+
+def rest_of_epoch(order: Sequence[int], start: int, world_size: int, rank: int) -> list[int]:
+    """This rank's share of `order[start:]`, dealt out and padded as DistributedSampler does (rank r
+    takes every world_size-th sample from r; fewer than world_size repeats make the shares equal).
+
+    Why it is exact: after k batches of B on each of W ranks, DistributedSampler's ranks have trained
+    precisely `order[:k * B * W]`. So a run resumed at any world size continues with `order[start:]`,
+    start = k * B * W, and trains every sample of the epoch once.
+    """
+    rest = order[start:]
+    share = DistributedSampler(range(len(rest)), num_replicas=world_size, rank=rank, shuffle=False)
+    return [rest[i] for i in share]
+
+
+def resume_point(samples_in_epoch: int, batch_size: int, world_size: int) -> tuple[int, int]:
+    """(first sample of the loader's epoch, batches of it to skip) to continue an epoch that has
+    trained `samples_in_epoch` samples of its global order, at this world size.
+
+    The loader starts at the largest multiple of batch_size x world_size it can, and skips the rest
+    by loading batches: at an unchanged world size it starts at 0 and skips everything, which keeps a
+    resume bit-identical (`iterate_from`). Only a world size whose global batch doesn't divide the
+    position starts the epoch part-way (TrainSampler).
+    """
+    skip, start = divmod(samples_in_epoch, batch_size * world_size)
+    return start, skip
+
+
+class TrainSampler(DistributedSampler):
+    """DistributedSampler(shuffle=True) whose epoch can begin `start` samples into the global order
+    (`rest_of_epoch`); set both with `set_epoch`. With start=0 it is DistributedSampler exactly."""
+
+    start = 0
+
+    def set_epoch(self, epoch: int, start: int = 0) -> None:
+        super().set_epoch(epoch)
+        self.start = start
+
+    def __iter__(self) -> Iterator[int]:
+        if self.start == 0:
+            return super().__iter__()
+        order = epoch_order(len(self.dataset), self.seed, self.epoch)
+        return iter(rest_of_epoch(order, self.start, self.num_replicas, self.rank))
+
+    def __len__(self) -> int:
+        return math.ceil((len(self.dataset) - self.start) / self.num_replicas)
 
 
 # Workers are forked by a fork server, a single-threaded process that the rank starts once, never by
@@ -124,12 +179,12 @@ class WorkerSafeDataLoader(DataLoader):
 
 def build_train_loader(dataset: Dataset, data_cfg, env: DistEnv, seed: int, pin_memory: bool) -> DataLoader:
     """Every strategy shards with DistributedSampler (one replica for single/dp), so the order of
-    samples depends only on the seed and the global batch. Call `start_epoch` every epoch.
+    samples depends only on the seed, never on the world size. Call `start_epoch` every epoch.
 
     Workers are not persistent: persistent workers carry their random streams across epochs,
     which a run resumed in a later epoch could not reproduce.
     """
-    sampler = DistributedSampler(dataset, num_replicas=env.world_size, rank=env.rank, shuffle=True, seed=seed)
+    sampler = TrainSampler(dataset, num_replicas=env.world_size, rank=env.rank, shuffle=True, seed=seed)
     return WorkerSafeDataLoader(
         dataset,
         batch_size=data_cfg.batch_size,
@@ -153,10 +208,11 @@ def build_val_loader(dataset: Dataset, data_cfg, env: DistEnv, pin_memory: bool)
     )
 
 
-def start_epoch(loader: DataLoader, epoch: int, seed: int, rank: int) -> None:
-    """New shuffle order for the epoch, and a loader generator reseeded per (rank, epoch) so that
-    worker seeds and random augmentation don't depend on how many batches came before."""
-    loader.sampler.set_epoch(epoch)
+def start_epoch(loader: DataLoader, epoch: int, seed: int, rank: int, start: int = 0) -> None:
+    """New shuffle order for the epoch (from its `start`-th sample: `resume_point`), and a loader
+    generator reseeded per (rank, epoch) so that worker seeds and random augmentation don't depend on
+    how many batches came before."""
+    loader.sampler.set_epoch(epoch, start)
     loader.generator.manual_seed(seed + 1_000_003 * epoch + rank)
 
 

@@ -12,22 +12,33 @@ from torch import nn
 
 from ddp.checkpoint import CheckpointError, load_checkpoint, load_latest_checkpoint
 from ddp.config import ConfigError
+from ddp.loaders import resume_point
 
 log = logging.getLogger(__name__)
 
 
 @dataclass
 class Position:
-    """Where training stands; a checkpoint stores it, and a resumed run continues from it."""
+    """Where training stands; a checkpoint stores it, and a resumed run continues from it.
+
+    Within an epoch the checkpoint holds the global samples trained: the epoch's shuffled order is
+    the same at any world size (ddp/loaders.py), so a resume at another world size continues it
+    exactly. The loop counts batches of its loader, which began the epoch at sample `epoch_start`.
+    """
 
     epoch: int = 0
-    batch_in_epoch: int = 0  # batches of `epoch` already trained
+    batch_in_epoch: int = 0  # batches of this epoch's loader already trained (by every rank)
     global_step: int = 0
+    epoch_start: int = 0  # the loader's first sample of the epoch: 0 unless resumed at another world size
     # this rank's loss sum and sample count so far in `epoch` (float64, kept on the training device)
     epoch_totals: torch.Tensor = field(default_factory=lambda: torch.zeros(2, dtype=torch.float64))
 
+    def samples_in_epoch(self, samples_per_batch: int) -> int:
+        """Samples of the epoch's global order trained; `samples_per_batch`: batch_size x world_size."""
+        return self.epoch_start + self.batch_in_epoch * samples_per_batch
 
-def checkpoint_state(model: nn.Module, optimizer, update_state: dict[str, Any], position: Position,
+
+def checkpoint_state(model: nn.Module, optimizer, update_state: dict[str, Any], position: Position, samples_per_batch: int,
                      rank_states: list[dict[str, Any]], config: dict) -> dict[str, Any]:
     """Everything a resume needs, as plain containers and CPU tensors: it loads with weights_only=True
     on any host, GPUs or not (optimizer.load_state_dict moves the state back to the parameters' device).
@@ -37,7 +48,8 @@ def checkpoint_state(model: nn.Module, optimizer, update_state: dict[str, Any], 
         "optimizer": to_cpu(optimizer.state_dict()),
         **to_cpu(update_state),
         "epoch": position.epoch,
-        "batch_in_epoch": position.batch_in_epoch,
+        "samples_in_epoch": position.samples_in_epoch(samples_per_batch),  # what a resume reads
+        "batch_in_epoch": position.batch_in_epoch,  # at this world size, for reading
         "global_step": position.global_step,
         "tensorboard_step": position.global_step,
         "world_size": len(rank_states),
@@ -57,17 +69,28 @@ def to_cpu(state: Any) -> Any:
     return state
 
 
-def resume_position(path: Path, checkpoint: dict[str, Any], world_size: int, rank: int) -> tuple[Position, dict[str, Any] | None]:
+def resume_position(path: Path, checkpoint: dict[str, Any], batch_size: int, world_size: int,
+                    rank: int) -> tuple[Position, dict[str, Any] | None]:
     """Where to continue, and this rank's state to restore (None if the world size changed)."""
-    position = Position(checkpoint["epoch"], checkpoint["batch_in_epoch"], checkpoint["global_step"])
+    saved_world_size = checkpoint["world_size"]
+    # checkpoints from before samples_in_epoch: their batches were all full, on every rank
+    samples = checkpoint.get("samples_in_epoch",
+                             checkpoint["batch_in_epoch"] * checkpoint["config"]["data"]["batch_size"] * saved_world_size)
+    start, skip = resume_point(samples, batch_size, world_size)
+    position = Position(checkpoint["epoch"], skip, checkpoint["global_step"], start)
     rank_state = None
-    if checkpoint["world_size"] == world_size:
+    if saved_world_size == world_size:
         rank_state = checkpoint["ranks"][rank]
         position.epoch_totals = torch.tensor(rank_state["epoch_totals"], dtype=torch.float64)
     else:
-        log.warning("checkpoint has world_size=%d, this run %d: resuming the weights, but not bit-identically",
-                    checkpoint["world_size"], world_size)
-    log.info("resumed from %s at epoch %d, batch %d, step %d", path, position.epoch, position.batch_in_epoch, position.global_step)
+        log.warning("checkpoint has world_size=%d, this run %d: the data position is kept exactly (sample %d of epoch %d "
+                    "on), but the per-rank RNG states don't carry over: bit-identical only at an equal world size",
+                    saved_world_size, world_size, samples, position.epoch)
+        if rank == 0:  # the epoch's loss so far, all of it, so the epoch's train_loss stays exact
+            totals = [state["epoch_totals"] for state in checkpoint["ranks"]]
+            position.epoch_totals = torch.tensor(totals, dtype=torch.float64).sum(dim=0)
+    log.info("resumed from %s at epoch %d, batch %d, step %d (%d samples of the epoch trained)",
+             path, position.epoch, position.batch_in_epoch, position.global_step, samples)
     return position, rank_state
 
 

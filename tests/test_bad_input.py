@@ -126,6 +126,14 @@ OUR_ERRORS = {
     "no_micro_batches_per_update": (
         QUICK + ["trainer.accumulate_grad_batches=0"], "trainer.accumulate_grad_batches=0", "must be >= 1", None,
     ),
+    "global_batch_not_a_multiple_of_the_batch": (
+        QUICK + ["data.batch_size=8", "trainer.global_batch_size=20"], "trainer.global_batch_size=20",
+        "must be a multiple of data.batch_size x world size = 8 x 1 = 8", None,
+    ),
+    "global_batch_and_accumulation_both_set": (
+        QUICK + ["trainer.global_batch_size=64", "trainer.accumulate_grad_batches=2"], "trainer.accumulate_grad_batches=2",
+        "trainer.global_batch_size=64 sets trainer.accumulate_grad_batches itself", None,
+    ),
     "warmup_longer_than_the_run": (
         QUICK + ["scheduler=cosine", "scheduler.warmup_steps=5"], "scheduler.warmup_steps", "but the run has only 1", None,
     ),

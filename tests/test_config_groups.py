@@ -45,12 +45,14 @@ DEFAULT_KEYS = {
     "data.val_fraction", "data.split_seed",
     "optim._target_", "optim.lr", "optim.lr_scaling", "optim.reference_batch_size", "optim.momentum", "optim.weight_decay",
     "optim.nesterov", "scheduler.name", "scheduler.warmup_steps", "scheduler.warmup_epochs",
-    "trainer.max_epochs", "trainer.max_steps", "trainer.accumulate_grad_batches", "trainer.gradient_clip_norm",
+    "trainer.max_epochs", "trainer.max_steps", "trainer.accumulate_grad_batches", "trainer.global_batch_size",
+    "trainer.gradient_clip_norm",
     "trainer.label_smoothing",
     "trainer.log_every_n_steps", "trainer.val_every_n_epochs",
     "trainer.limit_train_batches", "trainer.limit_val_batches", "trainer.warmup_steps",
     "checkpoint.every_n_steps", "checkpoint.keep_last",
     "fault.kill_rank", "fault.raise_rank", "fault.stall_rank", "fault.at_step", "fault.every_attempt",
+    "fault.record_samples_dir",
     "ema.decay", "devices", "backend", "syncbn", "deterministic", "precision", "channels_last", "compile", "compile_mode", "seed", "mode", "resume",
 }
 

@@ -1,11 +1,22 @@
 """Sampling: every sample seen once per epoch in training, exactly once in evaluation, and fresh orders per epoch."""
 
+from collections import Counter
+
 import pytest
 import torch
 from torch.utils.data import DistributedSampler, TensorDataset
 
 from ddp.env import DistEnv
-from ddp.loaders import build_train_loader, build_val_loader, shard_indices, start_epoch
+from ddp.loaders import (
+    build_train_loader,
+    build_val_loader,
+    epoch_order,
+    iterate_from,
+    rest_of_epoch,
+    resume_point,
+    shard_indices,
+    start_epoch,
+)
 
 
 class LoaderConfig:
@@ -68,3 +79,55 @@ def test_global_order_does_not_depend_on_world_size():
     for step in range(8):
         joint = sorted(two[0][4 * step : 4 * step + 4] + two[1][4 * step : 4 * step + 4])
         assert joint == sorted(one[8 * step : 8 * step + 8])
+
+
+def test_epoch_order_is_what_distributed_sampler_deals_out():
+    """rest_of_epoch from sample 0 is DistributedSampler itself, padding included (11 samples, 4 ranks)."""
+    order = epoch_order(11, seed=0, epoch=2)
+    assert sorted(order) == list(range(11))
+    for rank in range(4):
+        sampler = DistributedSampler(range(11), num_replicas=4, rank=rank, shuffle=True, seed=0)
+        sampler.set_epoch(2)
+        assert rest_of_epoch(order, 0, 4, rank) == list(sampler)
+
+
+def trained(size: int, world_size: int, batches: int | None = None, samples_in_epoch: int = 0) -> list[list[int]]:
+    """The ids each rank's real train loader yields in epoch 1: the first `batches` batches of a fresh
+    epoch, or all the rest of one resumed after `samples_in_epoch` samples (as train.py resumes it)."""
+    start, skip = resume_point(samples_in_epoch, LoaderConfig.batch_size, world_size)
+    per_rank = []
+    for rank in range(world_size):
+        loader = build_train_loader(ids_dataset(size), LoaderConfig, DistEnv(rank=rank, world_size=world_size), 0, False)
+        start_epoch(loader, 1, seed=0, rank=rank, start=start)
+        got = [(index, [int(i) for i in batch]) for index, (batch,) in iterate_from(loader, skip)]
+        assert [index for index, _ in got] == list(range(skip, len(loader)))  # the loop's batch indices
+        per_rank.append([i for index, ids in got if batches is None or index < batches for i in ids])
+    return per_rank
+
+
+@pytest.mark.parametrize("size, world_size, batches, new_world_size", [
+    (64, 2, 3, 1),    # scale-down, the global batch divides the position: a plain skip
+    (64, 4, 1, 3),    # 16 samples at 3 ranks x batch 4: the new epoch starts 4 samples in
+    (50, 3, 2, 2),    # padding at both world sizes
+    (101, 2, 5, 4),   # scale-up
+    (30, 4, 1, 1),    # 4 ranks padded 30 to 32; 16 trained, 14 left for one process
+])
+def test_resume_at_another_world_size_trains_each_sample_once(size, world_size, batches, new_world_size):
+    """`batches` batches of 4 on each of `world_size` ranks, then the rest of the epoch on
+    `new_world_size` ranks: together every sample once, plus the padding that equal shares need at
+    the new world size (fewer than new_world_size repeats, as DistributedSampler pads any epoch)."""
+    before = trained(size, world_size, batches)
+    consumed = batches * LoaderConfig.batch_size * world_size
+    after = trained(size, new_world_size, samples_in_epoch=consumed)
+    assert len({len(ids) for ids in after}) == 1  # equal shares: DDP ranks run the same number of steps
+    counts = Counter(i for ids in before + after for i in ids)
+    assert sorted(counts) == list(range(size))
+    padding = -(size - consumed) % new_world_size
+    assert sum(counts.values()) - size == padding
+
+
+def test_resume_at_the_same_world_size_skips_whole_batches():
+    """At an unchanged world size the epoch starts at sample 0 and the trained batches are loaded and
+    dropped (bit-identical resume), whatever the position."""
+    assert resume_point(5 * 4 * 2, batch_size=4, world_size=2) == (0, 5)
+    assert resume_point(5 * 4 * 2, batch_size=4, world_size=3) == (4, 3)
