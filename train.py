@@ -33,10 +33,10 @@ from data.mix import build_batch_mix
 from ddp.checkpoint import save_step_checkpoint
 from ddp.config import ConfigError, check_model_accepts, instantiate_checked, optimizer_node, register_configs, validate
 from ddp.env import DistEnv, restrict_visible_gpus, select_device, use_deterministic_cudnn
-from ddp.faults import SampleRecorder, inject_fault
+from ddp.faults import SampleRecorder, inject_fault, slow_down
 from ddp.launch import launch_workers
 from ddp.loaders import build_train_loader, build_val_loader, iterate_from, start_epoch, start_worker_server
-from ddp.meter import ThroughputMeter, peak_memory, reset_peak_memory
+from ddp.meter import ComputeTimer, ThroughputMeter, peak_memory, reset_peak_memory, straggler_stats
 from ddp.preemption import Interrupted, StopOnSignal, resume_command, submitit_requeue_signal
 from ddp.process_group import (
     all_reduce_sum,
@@ -279,6 +279,8 @@ def fit(cfg: DictConfig, env: DistEnv, device: torch.device, gpus: list[int], me
     # Checkpoints hold raw_model's plain keys, never torch.compile's `_orig_mod.` ones.
     trained = torch.compile(model, mode=cfg.compile_mode) if cfg.compile else model
     model = wrap_model(trained, cfg.strategy, env, device)
+    compute_timer = ComputeTimer(trained, device)  # this rank's own compute per update: shows a straggler
+    slow_down(trained, cfg.fault, env.rank)  # testing aid; after the timer's hook, so the timer counts it
     # DDP's forward may sync buffers, and ranks can hold different numbers of val batches: evaluate
     # the bare, uncompiled model (no eval-mode graph to compile, nor a recompile for a short last
     # batch). DataParallel has no collectives and keeps its multi-GPU eval.
@@ -343,14 +345,20 @@ def fit(cfg: DictConfig, env: DistEnv, device: torch.device, gpus: list[int], me
     def after_update(global_samples: int, epoch_ends: bool) -> None:
         progress.update(1)
         meter.step(global_samples)
+        compute_timer.update_done()
         inject_fault(cfg.fault, env.rank, position.global_step)
         if position.global_step % trainer.log_every_n_steps == 0 or epoch_ends:  # where the loop waits anyway
             update.check_finite(position.global_step)
         if position.global_step % trainer.log_every_n_steps == 0:
-            # each rank's share of the window spent waiting for data; one all_gather, at log steps only
-            waits = [rank[0] for rank in gather_per_rank([meter.window_data_wait()], device)]
+            # each rank's share of the window spent waiting for data, and its compute per update; one
+            # all_gather, at log steps only
+            per_rank = gather_per_rank([meter.window_data_wait(), compute_timer.window_per_update()], device)
+            waits = [rank[0] for rank in per_rank]
             writer.add_scalar("perf/data_wait_fraction", sum(waits) / world_size, position.global_step)
             writer.add_scalar("perf/data_wait_fraction_max", max(waits), position.global_step)
+            for name, value in straggler_stats([rank[1] for rank in per_rank]).items():
+                writer.add_scalar(f"perf/{name}" if name == "straggler_ratio" else f"perf/compute_s_per_update_{name}",
+                                  value, position.global_step)
         if signum := stopper.stop_now(position.global_step, epoch_ends, device):
             save()
             stopper.saved_step = position.global_step
@@ -413,7 +421,9 @@ def fit(cfg: DictConfig, env: DistEnv, device: torch.device, gpus: list[int], me
         if saved["step"] != position.global_step:
             save()
     peak_mb, peak_device = peak_memory(gpus, memory_reset)
-    per_rank = gather_per_rank([meter.data_wait_fraction, peak_mb], device)  # (data wait, peak memory) of every rank
+    compute_timer.window_per_update()  # counts the last window
+    # (data wait, peak memory, compute per update) of every rank
+    per_rank = gather_per_rank([meter.data_wait_fraction, peak_mb, compute_timer.per_update], device)
     epoch_samples = length.samples_per_batch * length.batches_per_epoch  # with the padding
     results = {
         **metrics,
@@ -435,6 +445,8 @@ def fit(cfg: DictConfig, env: DistEnv, device: torch.device, gpus: list[int], me
         "peak_memory_mb": peak_mb,
         "peak_memory_device": peak_device,
         "peak_memory_mb_per_rank": [rank[1] for rank in per_rank],
+        "compute_s_per_update_per_rank": [rank[2] for rank in per_rank],
+        "straggler_ratio": straggler_stats([rank[2] for rank in per_rank])["straggler_ratio"],
         "replicas_identical": replicas_identical(raw_model, include_buffers=True),
     }
     if not results["replicas_identical"]:

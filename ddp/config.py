@@ -190,6 +190,8 @@ class FaultConfig:
     stall_rank: int = -1  # this rank hangs, until the process-group timeout ends the job
     at_step: int = -1
     every_attempt: bool = False  # fail after torchrun restarts too (exhausts --max-restarts)
+    slow_rank: int = -1  # this rank's every training forward takes slow_ms longer (a straggler)
+    slow_ms: float = 0.0
     record_samples_dir: str | None = None  # each rank appends the dataset indices of every batch it trains here
 
 
@@ -342,6 +344,8 @@ def validate(cfg: Any, *, launched: bool, world_size: int) -> None:
         rank = cfg.fault[key]
         _check(rank < world_size, f"fault.{key}={rank}: there are only {world_size} ranks")
         _check(rank < 0 or cfg.fault.at_step >= 1, f"fault.{key}={rank} needs fault.at_step >= 1")
+    _check(cfg.fault.slow_rank < world_size, f"fault.slow_rank={cfg.fault.slow_rank}: there are only {world_size} ranks")
+    _check(cfg.fault.slow_rank < 0 or cfg.fault.slow_ms > 0, f"fault.slow_rank={cfg.fault.slow_rank} needs fault.slow_ms > 0")
     _check(cfg.mode in MODES, f"mode={cfg.mode}: unknown, use one of {', '.join(MODES)}")
     _check(cfg.data.split in SPLITS, f"data.split={cfg.data.split}: unknown, use one of {', '.join(SPLITS)}")
     if cfg.mode == "eval":

@@ -30,6 +30,20 @@ def inject_fault(fault_cfg, rank: int, step: int) -> None:
             time.sleep(60)
 
 
+def slow_down(module, fault_cfg, rank: int) -> None:
+    """fault.slow_rank: that rank sleeps fault.slow_ms at the start of every training forward, as a
+    slower GPU or a busier host would make it compute longer (a straggler)."""
+    if rank != fault_cfg.slow_rank:
+        return
+    log.warning("fault.slow_rank=%d: every training forward of this rank takes %g ms longer", rank, fault_cfg.slow_ms)
+
+    def sleep(module, args) -> None:
+        if module.training:
+            time.sleep(fault_cfg.slow_ms / 1000)
+
+    module.register_forward_pre_hook(sleep)
+
+
 class SampleRecorder:
     """fault.record_samples_dir: every rank appends one JSON line per batch it trains, with the
     dataset indices, the epoch and the update (global step) the batch counts toward, to

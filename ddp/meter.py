@@ -1,12 +1,15 @@
 """What a run measures about itself: steady-state training throughput, the time spent waiting for
-data, and peak memory, all per run."""
+data, each rank's own compute time (which shows a straggler), and peak memory, all per run."""
 
 import resource
+import statistics
+import threading
 import time
 from collections.abc import Iterable, Iterator
 from pathlib import Path
 
 import torch
+from torch import nn
 
 
 class ThroughputMeter:
@@ -81,6 +84,76 @@ class ThroughputMeter:
     def data_wait_fraction(self) -> float:
         """The share of all timed training time spent waiting for the next batch: high means raise num_workers."""
         return self.wait_seconds / self.seconds if self.seconds else 0.0
+
+
+class ComputeTimer:
+    """This rank's own compute per update: from the start of the model's forward to the moment backward
+    has produced the gradient of the model's first parameter, summed over the update's micro-batches.
+
+    Under DDP every rank's step lasts as long as the slowest rank's, since all wait at the gradient
+    all-reduce, so step times can't show a slow rank; this time stops before that wait. It starts
+    inside DDP's forward, after DDP's buffer broadcast (the other collective of a step), and ends
+    with the last gradient backward computes: the first parameter's, one bucket's all-reduce before
+    the end. Host clock on CPU; on CUDA, events recorded on the stream and read only at log steps,
+    where the loop has already waited for the device.
+    """
+
+    def __init__(self, module: nn.Module, device: torch.device):
+        self.cuda = device.type == "cuda"
+        self.window_seconds, self.window_updates = 0.0, 0
+        self.total_seconds, self.total_updates = 0.0, 0
+        self._pending: list[tuple[torch.cuda.Event, torch.cuda.Event]] = []
+        self._started: float | torch.cuda.Event | None = None
+        first = next(parameter for parameter in module.parameters() if parameter.requires_grad)
+        module.register_forward_pre_hook(self._start)
+        first.register_post_accumulate_grad_hook(self._end)
+
+    def _start(self, module, args) -> None:
+        if not module.training or threading.current_thread() is not threading.main_thread():
+            return  # evaluation; or DataParallel's replicas, each in a thread of its own (not timed)
+        if self.cuda:
+            self._started = torch.cuda.Event(enable_timing=True)
+            self._started.record()
+        else:
+            self._started = time.perf_counter()
+
+    def _end(self, parameter) -> None:
+        if self._started is None:
+            return
+        if self.cuda:
+            ended = torch.cuda.Event(enable_timing=True)
+            ended.record()
+            self._pending.append((self._started, ended))
+        else:
+            self.window_seconds += time.perf_counter() - self._started
+        self._started = None
+
+    def update_done(self) -> None:
+        self.window_updates += 1
+
+    def window_per_update(self) -> float:
+        """Seconds of compute per update since the last call (call where the device has caught up)."""
+        self.window_seconds += sum(start.elapsed_time(end) for start, end in self._pending) / 1000
+        self._pending.clear()
+        per_update = self.window_seconds / self.window_updates if self.window_updates else 0.0
+        self.total_seconds += self.window_seconds
+        self.total_updates += self.window_updates
+        self.window_seconds, self.window_updates = 0.0, 0
+        return per_update
+
+    @property
+    def per_update(self) -> float:
+        """Over the whole run so far (call `window_per_update` first to count the open window)."""
+        return self.total_seconds / self.total_updates if self.total_updates else 0.0
+
+
+def straggler_stats(per_rank: list[float]) -> dict[str, float]:
+    """min, median and max of the ranks' compute per update, and max / median: about 1 when the
+    ranks are even; a rank at twice the others' time reads 2 with 3 or more ranks (4/3 with 2)."""
+    ordered = sorted(per_rank)
+    median = statistics.median(ordered)
+    return {"min": ordered[0], "median": median, "max": ordered[-1],
+            "straggler_ratio": ordered[-1] / median if median else 1.0}
 
 
 _CLEAR_REFS, _STATUS = Path("/proc/self/clear_refs"), Path("/proc/self/status")

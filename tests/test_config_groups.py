@@ -52,7 +52,7 @@ DEFAULT_KEYS = {
     "trainer.limit_train_batches", "trainer.limit_val_batches", "trainer.warmup_steps",
     "checkpoint.every_n_steps", "checkpoint.keep_last",
     "fault.kill_rank", "fault.raise_rank", "fault.stall_rank", "fault.at_step", "fault.every_attempt",
-    "fault.record_samples_dir",
+    "fault.record_samples_dir", "fault.slow_rank", "fault.slow_ms",
     "ema.decay", "devices", "backend", "syncbn", "deterministic", "precision", "channels_last", "compile", "compile_mode", "seed", "mode", "resume",
 }
 

@@ -13,10 +13,11 @@ import pytest
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 from tensorboard.plugins.hparams import plugin_data_pb2
 
-from conftest import load_results, run_dirs
+from conftest import TINY, check, launch, load_results, run_dirs
 
 TRAIN_TAGS = {"train/loss", "train/lr", "train/samples_per_s", "train/samples_per_s_per_rank", "train/epoch_time_s",
-              "perf/data_wait_fraction", "perf/data_wait_fraction_max"}
+              "perf/data_wait_fraction", "perf/data_wait_fraction_max", "perf/straggler_ratio",
+              "perf/compute_s_per_update_min", "perf/compute_s_per_update_median", "perf/compute_s_per_update_max"}
 VAL_TAGS = {"val/loss", "val/accuracy"}
 
 
@@ -38,6 +39,26 @@ def test_training_and_validation_scalars(events, ddp_run):
     assert events.Scalars("val/accuracy")[-1].value == pytest.approx(final["val_accuracy"], rel=1e-6)
     for mean, worst in zip(events.Scalars("perf/data_wait_fraction"), events.Scalars("perf/data_wait_fraction_max"), strict=True):
         assert 0 <= mean.value <= worst.value <= 1  # the ranks' mean share of step time waiting for data, and the worst rank's
+    lows, middles, highs, ratios = (events.Scalars(f"perf/{tag}") for tag in (
+        "compute_s_per_update_min", "compute_s_per_update_median", "compute_s_per_update_max", "straggler_ratio"))
+    for low, middle, high, ratio in zip(lows, middles, highs, ratios, strict=True):
+        assert 0 < low.value <= middle.value <= high.value and ratio.value == pytest.approx(high.value / middle.value, rel=1e-5)
+
+
+def test_a_slow_rank_shows_in_the_straggler_ratio(tmp_path):
+    """fault.slow_rank=1 makes rank 1's every forward 100 ms longer. Both ranks' steps take as long
+    (they wait for each other at the all-reduce), but each rank's own compute per update doesn't."""
+    check(launch(["strategy=ddp", *TINY, "trainer.max_epochs=1", "fault.slow_rank=1", "fault.slow_ms=100"], tmp_path, nproc=2))
+    results = load_results(tmp_path)
+    fast, slow = results["compute_s_per_update_per_rank"]
+    assert slow >= 0.1 > fast, (fast, slow)
+    assert results["straggler_ratio"] == pytest.approx(slow / ((fast + slow) / 2))  # max / median
+    (run_dir,) = run_dirs(tmp_path)
+    accumulator = EventAccumulator(str(run_dir))
+    accumulator.Reload()
+    ratios = [event.value for event in accumulator.Scalars("perf/straggler_ratio")]
+    assert len(ratios) == 4 and all(ratio > 1.3 for ratio in ratios), ratios  # 8 steps, logged every 2
+    assert all(event.value >= 0.1 for event in accumulator.Scalars("perf/compute_s_per_update_max"))
 
 
 def test_hparams_are_in_the_run_dir_itself(events, ddp_run):
