@@ -6,6 +6,7 @@ import os
 os.environ["CUDA_VISIBLE_DEVICES"] = ""
 
 import json  # noqa: E402
+import socket  # noqa: E402
 import subprocess  # noqa: E402
 import sys  # noqa: E402
 from pathlib import Path  # noqa: E402
@@ -48,6 +49,13 @@ def launch(args: list[str], cwd: Path, nproc: int | None = None, env: dict | Non
     )
 
 
+def free_port() -> int:
+    """A TCP port no one listens on now (for a rendezvous or a server started next)."""
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        return probe.getsockname()[1]
+
+
 def check(result) -> None:
     assert result.returncode == 0, f"exit {result.returncode}\nstdout:\n{result.stdout[-4000:]}\nstderr:\n{result.stderr[-6000:]}"
 
@@ -57,11 +65,15 @@ def run_dirs(cwd: Path) -> list[Path]:
     return sorted({log.parent for log in (cwd / "outputs").rglob("train_rank*.log")})
 
 
+# 2 ranks x batch 8 with SyncBN; 128 samples, so both ranks see 8 equal batches per epoch: 16 steps.
+DDP_RUN = ["strategy=ddp", "syncbn=true", *TINY]
+
+
 @pytest.fixture(scope="session")
 def ddp_run(tmp_path_factory):
-    """2 ranks x batch 8 with SyncBN; 128 samples, so both ranks see 8 equal batches per epoch."""
+    """DDP_RUN under torchrun --nproc_per_node=2."""
     cwd = tmp_path_factory.mktemp("ddp")
-    result = launch(["strategy=ddp", "syncbn=true", *TINY, "data.batch_size=8"], cwd, nproc=2)
+    result = launch(DDP_RUN, cwd, nproc=2)
     check(result)
     return cwd, result
 
@@ -70,10 +82,12 @@ def ddp_run(tmp_path_factory):
 def plain_ddp_run(tmp_path_factory):
     """2 ranks without SyncBN, so each rank's BatchNorm statistics drift apart; train.py runs under
     tests/workers/instrumented_train.py, which records every collective and host read per step and
-    each rank's final weights in watch/. Logs every 4 steps; 8 steps per epoch, 2 epochs."""
+    each rank's final weights in watch/. Logs every 4 steps; 8 steps per epoch, 2 epochs. Rank 1 is a
+    straggler: its every forward takes 100 ms longer (fault.slow_rank)."""
     cwd = tmp_path_factory.mktemp("plain_ddp")
     (cwd / "watch").mkdir()
-    result = launch(["strategy=ddp", *TINY, "model.dropout=0.2", "trainer.log_every_n_steps=4", "checkpoint.every_n_steps=0"],
+    result = launch(["strategy=ddp", *TINY, "model.dropout=0.2", "trainer.log_every_n_steps=4", "checkpoint.every_n_steps=0",
+                     "fault.slow_rank=1", "fault.slow_ms=100"],
                     cwd, nproc=2, env={"WATCH_DIR": str(cwd / "watch")}, script=REPO / "tests" / "workers" / "instrumented_train.py")
     check(result)
     return cwd, result

@@ -5,7 +5,6 @@ requeues and resumes. SLURM itself isn't here: its local executor runs the same 
 import json
 import os
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -17,7 +16,7 @@ import torch
 from hydra import compose, initialize_config_dir
 from hydra.utils import instantiate
 
-from conftest import REPO, TINY, TORCHRUN, TRAIN, check, launch, run_dirs
+from conftest import DDP_RUN, REPO, TORCHRUN, TRAIN, check, free_port, launch, run_dirs
 from ddp.config import register_configs
 from ddp.env import DistEnv
 from ddp.run_dir import register_resolvers
@@ -97,10 +96,7 @@ def test_the_slurm_launcher_runs_one_task_per_gpu(tmp_path, monkeypatch):
     assert launcher.params["max_num_timeout"] > 0  # requeued after a timeout
 
 
-# --- real launches: every one trains the same run, which must end with the same weights --------
-
-# 8 steps per epoch, 48 in all
-CLUSTER = ["strategy=ddp", *[arg for arg in TINY if "max_epochs" not in arg], "trainer.max_epochs=6", "checkpoint.every_n_steps=8"]
+# --- real launches: every one trains conftest's DDP_RUN, and must end with ddp_run's weights --------
 
 
 def final_weights(run_dir: Path) -> dict[str, torch.Tensor]:
@@ -114,18 +110,11 @@ def assert_same_weights(actual: dict, expected: dict) -> None:
 
 
 @pytest.fixture(scope="module")
-def one_node(tmp_path_factory) -> dict[str, torch.Tensor]:
+def one_node(ddp_run) -> dict[str, torch.Tensor]:
     """The reference: torchrun, 1 node x 2 processes."""
-    cwd = tmp_path_factory.mktemp("one_node")
-    check(launch(CLUSTER, cwd, nproc=2))
-    (run_dir,) = run_dirs(cwd)
+    (run_dir,) = run_dirs(ddp_run[0])
     return final_weights(run_dir)
 
-
-def free_port() -> int:
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        return probe.getsockname()[1]
 
 
 def launch_env(share_store: bool = False) -> dict[str, str]:
@@ -134,10 +123,10 @@ def launch_env(share_store: bool = False) -> dict[str, str]:
     return env | {"PYTHONUNBUFFERED": "1", "OMP_NUM_THREADS": "1", "TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "0" if share_store else "1"}
 
 
-def two_nodes(node_args: list[list[str]], cwd: Path, share_store: bool) -> None:
+def two_nodes(node_args: list[list[str]], cwd: Path) -> None:
     """One torchrun agent per "node", both on this host and in one working dir (a shared filesystem)."""
-    env = launch_env(share_store)
-    agents = [subprocess.Popen([str(TORCHRUN), "--nnodes=2", "--nproc-per-node=1", *args, str(TRAIN), *CLUSTER],
+    env = launch_env(share_store=True)
+    agents = [subprocess.Popen([str(TORCHRUN), "--nnodes=2", "--nproc-per-node=1", *args, str(TRAIN), *DDP_RUN],
                                cwd=cwd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
               for args in node_args]
     for agent in agents:
@@ -146,10 +135,10 @@ def two_nodes(node_args: list[list[str]], cwd: Path, share_store: bool) -> None:
 
 
 def test_two_nodes_with_static_rendezvous_train_as_one_node(one_node, tmp_path):
-    """--master-addr/--master-port and --node-rank, torchrun's shared store (its default) on."""
+    """--master-addr/--master-port and --node-rank (as many tutorials launch, on one node too): no run
+    id, but torchrun's shared store (its default) agrees on the run dir."""
     port = free_port()
-    two_nodes([[f"--node-rank={node}", "--master-addr=127.0.0.1", f"--master-port={port}"] for node in (0, 1)],
-              tmp_path, share_store=True)
+    two_nodes([[f"--node-rank={node}", "--master-addr=127.0.0.1", f"--master-port={port}"] for node in (0, 1)], tmp_path)
     (run_dir,) = run_dirs(tmp_path)
     assert sorted(p.name for p in run_dir.glob("train_rank*.log")) == ["train_rank0.log", "train_rank1.log"]
     assert_same_weights(final_weights(run_dir), one_node)
@@ -184,7 +173,7 @@ def test_the_sbatch_script_trains_two_nodes_as_one(one_node, tmp_path):
         "SLURM_SUBMIT_DIR": str(REPO), "RUN_DIR": str(tmp_path / "run"), "RDZV_PORT": str(free_port()),
     }
     outputs_before = sorted((REPO / "outputs").iterdir())
-    result = subprocess.run(["bash", str(REPO / "scripts" / "slurm" / "ddp.sbatch"), *CLUSTER[1:]], env=env,
+    result = subprocess.run(["bash", str(REPO / "scripts" / "slurm" / "ddp.sbatch"), *DDP_RUN[1:]], env=env,
                             capture_output=True, text=True, timeout=240)
     check(result)
     assert sorted(p.name for p in (tmp_path / "run").glob("train_rank*.log")) == ["train_rank0.log", "train_rank1.log"]
@@ -201,7 +190,7 @@ def the_job_dir(cwd: Path) -> Path:
 
 
 def test_a_submitit_job_with_two_tasks_is_one_ddp_run(one_node, tmp_path):
-    result = launch([*SUBMITIT_LOCAL, *CLUSTER], tmp_path, env=launch_env())
+    result = launch([*SUBMITIT_LOCAL, *DDP_RUN], tmp_path, env=launch_env())
     check(result)
     job_dir = the_job_dir(tmp_path)
     # one task (rank 0) writes .hydra/, events and results; each task its own log
@@ -212,7 +201,7 @@ def test_a_submitit_job_with_two_tasks_is_one_ddp_run(one_node, tmp_path):
     results = json.loads((job_dir / "results.json").read_text())
     assert results["world_size"] == 2 and results["replicas_identical"]
     (row,) = [line for line in result.stdout.splitlines() if line.startswith("| 0 |")]  # the sweep summary's
-    assert f"| 0 | {' '.join(CLUSTER)} | 2 |" in row and "| ok |" in row, row
+    assert row.startswith("| 0 | strategy=ddp ") and "| 2 | 8 | 16 |" in row and "| ok |" in row, row  # world size, batch, global batch
 
 
 def _tasks_of(session: int) -> list[int]:
@@ -232,12 +221,16 @@ def test_a_requeued_submitit_job_saves_on_the_signal_and_resumes_bit_identically
     """SLURM sends USR2 to every task before the time limit (and on preemption): the run saves at the
     next step boundary, submitit requeues the job with the same overrides into the same dir, and it
     finishes as if never stopped."""
-    sweep = subprocess.Popen([sys.executable, str(TRAIN), *SUBMITIT_LOCAL, *CLUSTER], cwd=tmp_path, env=launch_env(),
+    # Checkpoints every 4 steps, and rank 1 takes 100 ms longer per step: 1.6 s of training in all,
+    # time enough to signal it after the first checkpoint. Neither changes what is computed.
+    slower = ["checkpoint.every_n_steps=4", "fault.slow_rank=1", "fault.slow_ms=100"]
+    sweep = subprocess.Popen([sys.executable, str(TRAIN), *SUBMITIT_LOCAL, *DDP_RUN, *slower], cwd=tmp_path, env=launch_env(),
                              stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True)
     deadline = time.monotonic() + 120
-    while not list(tmp_path.glob("outputs/multirun/*/0_*/checkpoints/step-*.pt")):  # training, and saving
+    while not (saved := list(tmp_path.glob("outputs/multirun/*/0_*/checkpoints/step-*.pt"))):  # training, and saving
         assert sweep.poll() is None and time.monotonic() < deadline, "no checkpoint"
         time.sleep(0.05)
+    saved_step = int(saved[0].stem.split("-")[1])
     tasks = _tasks_of(sweep.pid)
     assert len(tasks) == 2
     for pid in tasks:
@@ -249,8 +242,8 @@ def test_a_requeued_submitit_job_saves_on_the_signal_and_resumes_bit_identically
     rank0 = (job_dir / "train_rank0.log").read_text()
     (stop,) = [line for line in rank0.splitlines() if "stopped by SIGUSR2 at step" in line]
     step = int(stop.split("at step ")[1].split()[0])
-    assert 8 < step < 48 and step % 2 == 0, stop  # the next check step (log_every_n_steps=2)
+    assert saved_step < step < 16 and step % 2 == 0, stop  # the next check step (log_every_n_steps=2)
     assert "submitit requeues the job" in stop
     assert f"resumed from {job_dir / 'checkpoints' / 'last.pt'} at epoch {step // 8}, batch {step % 8}, step {step}" in rank0
-    assert json.loads((job_dir / "results.json").read_text())["steps"] == 48
+    assert json.loads((job_dir / "results.json").read_text())["steps"] == 16
     assert_same_weights(final_weights(job_dir), one_node)

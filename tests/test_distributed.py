@@ -2,7 +2,6 @@
 
 import json
 import os
-import socket
 import subprocess
 
 import pytest
@@ -143,18 +142,6 @@ def test_ranks_agree_on_the_run_dir_with_torchruns_shared_store(tmp_path):
     check(result)
     (run_dir,) = run_dirs(tmp_path)
     assert sorted(p.name for p in run_dir.glob("train_rank*.log")) == ["train_rank0.log", "train_rank1.log"]
-
-
-def test_ranks_agree_on_the_run_dir_with_static_rendezvous(tmp_path):
-    """--master-port (as many tutorials launch) gives no run id; the agent's store still agrees."""
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        port = probe.getsockname()[1]
-    command = [str(TORCHRUN), "--nproc_per_node=2", "--master-addr=127.0.0.1", f"--master-port={port}",
-               str(REPO / "train.py"), "strategy=ddp", *TINY, "trainer.max_epochs=1"]
-    result = subprocess.run(command, cwd=tmp_path, capture_output=True, text=True, timeout=180)
-    check(result)
-    assert len(run_dirs(tmp_path)) == 1
 
 
 def test_eval_counts_every_sample_once_for_any_world_size(tmp_path):

@@ -7,7 +7,6 @@ import json
 import os
 import re
 import signal
-import socket
 import subprocess
 import time
 import uuid
@@ -17,7 +16,7 @@ from types import SimpleNamespace
 
 import pytest
 
-from conftest import TINY, TORCHRUN, TRAIN, run_dirs
+from conftest import TINY, TORCHRUN, TRAIN, free_port, run_dirs
 from train import TrainingLength
 
 # 96 samples, batch 4: 2 ranks take 12 steps per epoch; one process accumulates 2 batches per step.
@@ -40,11 +39,6 @@ def test_global_batch_size_keeps_the_global_batch_and_updates_per_epoch(world_si
     length = TrainingLength.of(trainer, train_size=96, batch_size=4, world_size=world_size)
     assert (length.accumulate, length.global_batch, length.updates_per_epoch, length.total_updates) == (accumulate, 16, 6, 18)
 
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("localhost", 0))
-        return s.getsockname()[1]
 
 
 def children(pid: int) -> list[int]:

@@ -24,9 +24,10 @@ from types import SimpleNamespace
 
 import pytest
 import torch
-from torch.utils.data import Dataset, DistributedSampler
+from torch.utils.data import DistributedSampler
 
 from conftest import REPO, TINY, TORCHRUN, TRAIN, check, launch, run_dirs
+from ids_and_noise import IdsAndNoise
 from ddp.checkpoint import CheckpointError, load_checkpoint, save_checkpoint, save_step_checkpoint
 from ddp.env import DistEnv
 from ddp.loaders import build_train_loader, iterate_from, start_epoch
@@ -393,16 +394,6 @@ def test_checkpoint_with_pickled_code_is_refused_and_never_run(tmp_path):
 
 # 9 ---------------------------------------------------------------------------------------------
 
-class _IdsAndNoise(Dataset):
-    """Sample i is (i, a draw from the loading process's RNG), like a random augmentation."""
-
-    def __len__(self) -> int:
-        return 50
-
-    def __getitem__(self, index):
-        return index, torch.rand(())
-
-
 @pytest.mark.parametrize("start", [1, 4, 6])
 def test_mid_epoch_resume_sees_exactly_the_remaining_samples(start):
     """2 workers, rank 1 of 2: 25 samples in 7 batches. Resuming at batch `start` on a fresh loader
@@ -412,7 +403,7 @@ def test_mid_epoch_resume_sees_exactly_the_remaining_samples(start):
     seed, epoch = 0, 1
 
     def fresh_loader():
-        loader = build_train_loader(_IdsAndNoise(), data_cfg, env, seed, pin_memory=False)
+        loader = build_train_loader(IdsAndNoise(), data_cfg, env, seed, pin_memory=False)
         start_epoch(loader, epoch, seed, env.rank)
         return loader
 
