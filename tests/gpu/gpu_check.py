@@ -103,6 +103,16 @@ def check_two_ranks_share_the_gpu_and_match_one_process(scratch: Path) -> str:
     return f"2x8 == 1x16 within rtol 1e-3 (largest difference {worst:.2g}); replicas identical"
 
 
+def check_a_slow_rank_shows_in_the_cuda_event_timing(scratch: Path) -> str:
+    """Each rank's compute per update, timed with CUDA events: rank 1 slowed by 50 ms per forward."""
+    launch(["strategy=ddp", "backend=gloo", *TINY, "trainer.max_epochs=1", "trainer.log_every_n_steps=2",
+            "fault.slow_rank=1", "fault.slow_ms=50"], scratch / "straggler", nproc=2)
+    found = results(scratch / "straggler")
+    fast, slow = found["compute_s_per_update_per_rank"]
+    assert slow >= 0.05 > fast and found["straggler_ratio"] > 1.3, (fast, slow, found["straggler_ratio"])
+    return f"compute per update: rank 0 {fast * 1000:.1f} ms, rank 1 {slow * 1000:.1f} ms; straggler_ratio {found['straggler_ratio']:.2f}"
+
+
 def check_dataparallel_on_one_gpu(scratch: Path) -> str:
     cwd = scratch / "dp"
     launch(["strategy=dp", *TINY, "trainer.max_epochs=1"], cwd)
@@ -180,6 +190,7 @@ CHECKS = [
     check_single_learns_digits,
     check_nccl_world_size_1_with_torch_syncbn,
     check_two_ranks_share_the_gpu_and_match_one_process,
+    check_a_slow_rank_shows_in_the_cuda_event_timing,
     check_dataparallel_on_one_gpu,
     check_kill_and_resume_is_exact,
     check_checkpoint_loads_on_a_cpu_only_host,
