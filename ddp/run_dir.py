@@ -234,9 +234,11 @@ def hold_lock(directory: Path) -> None:
             if time.monotonic() >= deadline:
                 holder = os.pread(fd, 4096, 0).decode(errors="replace").strip() or "another process"
                 os.close(fd)
+                # the line first: once the other ranks read the verdict they exit, and torchrun stops this one
+                sys.stderr.write(f"error: {directory} is in use by a live run ({holder}): wait for it to end, or choose "
+                                 "another dir (drop hydra.run.dir / resume to get a new one)\n")
                 publish(verdict_key, "refused")
-                _error(f"{directory} is in use by a live run ({holder}): wait for it to end, or choose another "
-                       "dir (drop hydra.run.dir / resume to get a new one)")
+                sys.exit(1)
             time.sleep(0.2)
     os.ftruncate(fd, 0)
     started = datetime.now().strftime("%Y-%m-%d %H:%M:%S")

@@ -127,10 +127,9 @@ class RefuseOptunaUnderTorchrun(Callback):
     def on_multirun_start(self, config: DictConfig, **kwargs: Any) -> None:
         env = DistEnv.from_environ()
         if env.launched and "optuna" in config.hydra.sweeper._target_:
-            if env.is_main:
-                print(
-                    "error: hparams_search=optuna under torchrun would run a separate study on every rank: run "
-                    "`python train.py -m hparams_search=optuna strategy=ddp strategy.nproc_per_node=N` instead",
-                    file=sys.stderr,
-                )
+            # Every rank says it, in one write: torchrun stops the other ranks once the first exits.
+            sys.stderr.write(
+                "error: hparams_search=optuna under torchrun would run a separate study on every rank: run "
+                "`python train.py -m hparams_search=optuna strategy=ddp strategy.nproc_per_node=N` instead\n"
+            )
             sys.exit(1)
