@@ -357,8 +357,7 @@ def fit(cfg: DictConfig, env: DistEnv, device: torch.device, gpus: list[int], me
             writer.add_scalar("perf/data_wait_fraction", sum(waits) / world_size, position.global_step)
             writer.add_scalar("perf/data_wait_fraction_max", max(waits), position.global_step)
             for name, value in straggler_stats([rank[1] for rank in per_rank]).items():
-                writer.add_scalar(f"perf/{name}" if name == "straggler_ratio" else f"perf/compute_s_per_update_{name}",
-                                  value, position.global_step)
+                writer.add_scalar(f"perf/{name}", value, position.global_step)
         if signum := stopper.stop_now(position.global_step, epoch_ends, device):
             save()
             stopper.saved_step = position.global_step

@@ -152,8 +152,8 @@ def straggler_stats(per_rank: list[float]) -> dict[str, float]:
     ranks are even; a rank at twice the others' time reads 2 with 3 or more ranks (4/3 with 2)."""
     ordered = sorted(per_rank)
     median = statistics.median(ordered)
-    return {"min": ordered[0], "median": median, "max": ordered[-1],
-            "straggler_ratio": ordered[-1] / median if median else 1.0}
+    return {"compute_s_per_update_min": ordered[0], "compute_s_per_update_median": median,
+            "compute_s_per_update_max": ordered[-1], "straggler_ratio": ordered[-1] / median if median else 1.0}
 
 
 _CLEAR_REFS, _STATUS = Path("/proc/self/clear_refs"), Path("/proc/self/status")
