@@ -183,7 +183,8 @@ class CheckpointConfig:
 
 @dataclass
 class FaultConfig:
-    """A testing aid, off by default: one rank fails at one step, on the first attempt only."""
+    """Testing aids, off by default: one rank fails at one step (on the first attempt only), one rank is
+    slowed, or every rank records the samples it trains."""
 
     kill_rank: int = -1  # this rank exits hard (SIGKILL)
     raise_rank: int = -1  # this rank raises an exception
