@@ -103,12 +103,13 @@ def test_ctrl_c_saves_at_the_next_step_and_the_printed_command_finishes_bit_iden
 
 def test_a_second_ctrl_c_exits_at_once_and_the_saved_checkpoint_still_loads(tmp_path):
     # The second Ctrl-C goes 5 ms after the first has reached the process (two signals still pending
-    # together are one). A tiny run may still save and exit before it, or take both in one C call:
-    # that is the first Ctrl-C's path, checked as such; try again.
+    # together are one). Each step takes 200 ms longer (fault.slow_rank), so the second one lands
+    # before the step boundary where the first would save. A run may still save and exit before it,
+    # or take both in one C call: that is the first Ctrl-C's path, checked as such; try again.
     for attempt in range(5):
         cwd = tmp_path / str(attempt)
         cwd.mkdir()
-        process = start([*LAUNCHERS["python"], *LONG], cwd)
+        process = start([*LAUNCHERS["python"], *LONG, "fault.slow_rank=0", "fault.slow_ms=200"], cwd)
         wait_for_training(process, cwd)
         deadline = time.monotonic() + 60
         while not list(cwd.glob("outputs/*/checkpoints/last.pt")):  # a periodic checkpoint to keep intact
