@@ -41,10 +41,10 @@ class SweepSummary(Callback):
     def on_multirun_end(self, config: DictConfig, **kwargs: Any) -> None:
         if "submitit" in config.hydra.launcher._target_:
             sweep_dir = Path(config.hydra.sweep.dir)
-            for job_dir in sorted(sweep_dir.glob("*/.hydra"), key=lambda d: int(d.parent.name.split("_", 1)[0])):
-                overrides = list(OmegaConf.load(job_dir / "overrides.yaml"))
-                row = summary_row(int(job_dir.parent.name.split("_", 1)[0]), overrides, OmegaConf.load(job_dir / "config.yaml"),
-                                  job_dir.parent, failure=None)
+            jobs = sorted((int(hydra_dir.parent.name.split("_", 1)[0]), hydra_dir) for hydra_dir in sweep_dir.glob("*/.hydra"))
+            for job_num, hydra_dir in jobs:  # job dirs are named <job number>_<swept values>
+                overrides = list(OmegaConf.load(hydra_dir / "overrides.yaml"))
+                row = summary_row(job_num, overrides, OmegaConf.load(hydra_dir / "config.yaml"), hydra_dir.parent, failure=None)
                 _add_row(row, sweep_dir)
         print_summary()
 
