@@ -110,6 +110,28 @@ def test_our_own_checkpoint_gives_its_model_weights(single_run):
     assert all(torch.equal(loaded[key], value) for key, value in checkpoint["model"].items())
 
 
+WRAPPERS = {
+    "DataParallel": torch.nn.DataParallel,
+    "compile": torch.compile,
+    "compile(DataParallel)": lambda model: torch.compile(torch.nn.DataParallel(model)),
+    "DataParallel(compile)": lambda model: torch.nn.DataParallel(torch.compile(model)),
+}
+
+
+@pytest.mark.parametrize("wrap", WRAPPERS.values(), ids=WRAPPERS.keys())
+def test_weights_saved_from_a_wrapped_model_load_whatever_the_wrapper_order(tmp_path, wrap):
+    """`module.` (DDP, DataParallel) and `_orig_mod.` (torch.compile) prefixes, nested in either order."""
+    cfg = compose_config("model.channels=[8,16]")
+    torch.manual_seed(1)
+    reference = build_model(cfg.model, num_classes=10, in_channels=3)
+    torch.save(wrap(reference).state_dict(), tmp_path / "wrapped.pt")
+    cfg = compose_config("model.channels=[8,16]", f"model.weights_path={tmp_path / 'wrapped.pt'}")
+    torch.manual_seed(2)  # another initialisation: only a load gives the reference's weights
+    loaded = build_model(cfg.model, num_classes=10, in_channels=3).state_dict()
+    assert loaded.keys() == reference.state_dict().keys()
+    assert all(torch.equal(loaded[key], value) for key, value in reference.state_dict().items())
+
+
 def test_a_pickled_object_is_refused_and_never_run(tmp_path):
     torch.save(torchvision.models.resnet18(num_classes=10), tmp_path / "whole_model.pth")
     with pytest.raises(ConfigError, match="refused, it holds pickled objects"):
