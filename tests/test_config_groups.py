@@ -130,6 +130,14 @@ def test_help_lists_every_user_group_and_option_and_no_schema(tmp_path):
     assert not (tmp_path / "outputs").exists()
 
 
+def test_hydra_config_prints_resolved(tmp_path):
+    """`--cfg hydra --resolve` prints Hydra's node alone, without the job's keys its interpolations read."""
+    result = launch(["--cfg", "hydra", "--resolve"], tmp_path, timeout=120)
+    check(result)
+    run_dir = [line.split()[-1] for line in result.stdout.splitlines() if line.strip().startswith("dir:")][0]
+    assert run_dir.startswith("outputs/") and "$" not in run_dir
+
+
 @pytest.mark.parametrize("group, option", [(g, o) for g, o in ALL_OPTIONS if (g, o) != ("data", "imagefolder")])
 def test_option_passes_validation(group, option, tmp_path, monkeypatch):
     """Every option's defaults are valid as shipped (cifar10's default root is relative to the working dir)."""

@@ -220,7 +220,10 @@ def test_a_sweep_job_dir_is_named_after_its_swept_values_and_fits_a_file_name(mo
     assert _job_dir_name(0, task) == "0_data.batch_size=16,optim.lr=0.1"
     monkeypatch.setenv(SWEPT_KEYS_ENV, "")  # an Optuna search: the sweeper picks the values
     assert _job_dir_name(3, ["optim.lr=0.05", "data.root=/datasets/imagenet"]) == "3_data.root=_datasets_imagenet,optim.lr=0.05"
-    assert len(_job_dir_name(12, ["x" * 300])) == 120
+    # too long for a file name: cut where an override ends, and the job number stays
+    long_values = [f"k{i}=" + "v" * 30 for i in range(6)]  # 33 characters each
+    assert _job_dir_name(7, long_values) == "7_" + ",".join(long_values[:3])  # 4 would make 137 > 120
+    assert _job_dir_name(12, ["x" * 300]) == "12"
 
 
 # --- mode=eval --------------------------------------------------------------------------------
