@@ -30,6 +30,7 @@ from tqdm import tqdm
 
 from data import build_datasets
 from data.mix import build_batch_mix
+from data.vision import report_skipped_samples
 from ddp.checkpoint import save_step_checkpoint
 from ddp.config import ConfigError, check_model_accepts, instantiate_checked, optimizer_node, register_configs, validate
 from ddp.env import DistEnv, restrict_visible_gpus, select_device, use_deterministic_cudnn
@@ -449,6 +450,7 @@ def fit(cfg: DictConfig, env: DistEnv, device: torch.device, gpus: list[int], me
         "compute_s_per_update_per_rank": [rank[2] for rank in per_rank],
         "straggler_ratio": straggler_stats([rank[2] for rank in per_rank])["straggler_ratio"],
         "replicas_identical": replicas_identical(raw_model, include_buffers=True),
+        "bad_samples_skipped": report_skipped_samples(splits, device),  # data.on_bad_sample=skip
     }
     if not results["replicas_identical"]:
         log.warning("the ranks' model replicas differ at the end of training: some code path depends on the rank")

@@ -70,7 +70,7 @@ OPTION_KEYS = {
     ("data", "synthetic"): {
         *LOADING, "num_samples", "num_val_samples", "image_size", "num_classes", "channels", "data_seed", "augment",
     },
-    ("data", "imagefolder"): {*LOADING, "root", "image_size", "augment", "random_erase", "interpolation"},
+    ("data", "imagefolder"): {*LOADING, "root", "image_size", "augment", "random_erase", "interpolation", "on_bad_sample"},
     ("data", "cifar10"): {*LOADING, "root", "download", "augment", "random_erase", "interpolation"},
     ("optim", "sgd"): {"_target_", "lr", "lr_scaling", "reference_batch_size", "momentum", "weight_decay", "nesterov"},
     ("optim", "adam"): {"_target_", "lr", "lr_scaling", "reference_batch_size", "weight_decay"},

@@ -3,6 +3,9 @@ standard train and eval transforms, MixUp/CutMix and label smoothing, and mode=e
 
 import json
 import logging
+import re
+
+import numpy as np
 
 import pytest
 import torch
@@ -12,10 +15,11 @@ from hydra import compose, initialize_config_dir
 from PIL import Image
 from safetensors.torch import save_file
 
-from conftest import REPO, TINY, check, launch, load_results, run_dirs, write_imagefolder
+from conftest import REPO, TINY, check, launch, load_last, load_results, run_dirs, write_imagefolder
 from data import build_datasets
 from data.mix import build_batch_mix
 from data.presets import AUGMENTS, cifar10_transforms, imagefolder_transforms
+from data.vision import BadSample
 from ddp.config import ConfigError, register_configs
 from ddp.env import DistEnv
 from ddp.loaders import build_train_loader, start_epoch
@@ -184,6 +188,75 @@ def test_eval_resizes_to_crop_over_0_875_then_centre_crops():
     _, evaluate = imagefolder_transforms(224, "standard", random_erase=0.0, interpolation="bilinear")
     resize, crop = evaluate.transforms[:2]
     assert (list(resize.size), list(crop.size)) == ([256], [224, 224])
+
+
+# --- unreadable images ------------------------------------------------------------------------
+
+def add_unreadable_images(root) -> dict[str, str]:
+    """A truncated JPEG and a zero-byte PNG in train/, a text file named .jpg in val/: {kind: path}."""
+    truncated = root / "train" / "cat" / "1_truncated.jpg"
+    pixels = np.random.default_rng(0).integers(0, 256, (20, 24, 3), dtype=np.uint8)
+    Image.fromarray(pixels).save(truncated, quality=95)
+    truncated.write_bytes(truncated.read_bytes()[: truncated.stat().st_size // 2])
+    empty, text = root / "train" / "dog" / "1_empty.png", root / "val" / "dog" / "0_text.jpg"
+    empty.write_bytes(b"")
+    text.write_text("not an image")
+    return {"truncated": str(truncated), "zero-byte": str(empty), "not an image": str(text)}
+
+
+@pytest.mark.parametrize("kind", ["truncated", "zero-byte", "not an image"])
+def test_an_unreadable_image_is_named_with_its_index_in_one_line(tmp_path, kind):
+    """data.on_bad_sample=error (the default): read by a DataLoader worker, the error still comes back as
+    one line naming the file and its index in its split."""
+    root = write_imagefolder(tmp_path / "images", per_class=4)
+    path = add_unreadable_images(root)[kind]
+    cfg = compose_config("data=imagefolder", f"data.root={root}", "data.image_size=16", "data.num_workers=1")
+    assert cfg.data.on_bad_sample == "error"
+    splits = build_datasets(cfg.data)
+    dataset = splits.train if "/train/" in path else splits.val
+    index = [sample for sample, _ in dataset.samples].index(path)
+    loader = torch.utils.data.DataLoader(dataset, sampler=[index], num_workers=1)
+    with pytest.raises(BadSample) as error:
+        next(iter(loader))
+    split = "train" if dataset is splits.train else "val"
+    assert str(error.value).startswith(f"{path} (index {index} of the {split} split): unreadable image (")
+    assert "data.on_bad_sample=skip" in str(error.value) and "\n" not in str(error.value)
+
+
+def test_unreadable_images_end_the_run_in_one_line(tmp_path):
+    root = write_imagefolder(tmp_path / "images", per_class=4)
+    add_unreadable_images(root)
+    result = launch(["data=imagefolder", f"data.root={root}", "data.image_size=16", "data.batch_size=4", "data.num_workers=2",
+                     "model.channels=[8,16]", "trainer.max_epochs=1"], tmp_path)
+    assert result.returncode == 1
+    (line,) = result.stderr.strip().splitlines()
+    assert re.fullmatch(r"error: \S+/train/\w+/1_\w+\.(jpg|png) \(index \d+ of the train split\): unreadable image .*", line), line
+
+
+def test_unreadable_images_skipped_are_counted_and_resume_stays_exact(tmp_path):
+    """data.on_bad_sample=skip: each unreadable image is replaced by the next one of its split, the same
+    on every read, so a run stopped at step 5 and resumed from its step-3 checkpoint ends with the very
+    weights of the run never stopped (random augmentation, two DataLoader workers); both count the 3 files."""
+    root = write_imagefolder(tmp_path / "images", per_class=6)
+    paths = add_unreadable_images(root)
+    args = ["data=imagefolder", f"data.root={root}", "data.image_size=16", "data.batch_size=4", "data.num_workers=2",
+            "data.augment=trivialaugment", "data.on_bad_sample=skip", "model.channels=[8,16]", "trainer.max_epochs=2",
+            "checkpoint.every_n_steps=3"]
+    for name in ("straight", "stopped"):
+        (tmp_path / name).mkdir()
+    check(launch(args, tmp_path / "straight"))
+    stopped = launch([*args, "fault.raise_rank=0", "fault.at_step=5"], tmp_path / "stopped")
+    assert "injected fault" in stopped.stderr
+    (run_dir,) = run_dirs(tmp_path / "stopped")
+    check(launch([*args, f"resume={run_dir}"], tmp_path / "stopped"))
+    straight, resumed = load_last(tmp_path / "straight"), load_last(tmp_path / "stopped")
+    assert straight["global_step"] == resumed["global_step"] == 8  # 14 training images: 4 batches, 2 epochs
+    assert all(torch.equal(value, resumed["model"][key]) for key, value in straight["model"].items())
+    for cwd in (tmp_path / "straight", tmp_path / "stopped"):
+        assert load_results(cwd)["bad_samples_skipped"] == 3
+        (run_dir,) = run_dirs(cwd)
+        log_text = (run_dir / "train_rank0.log").read_text()
+        assert "replaced 3 unreadable image(s)" in log_text and all(path in log_text for path in paths.values())
 
 
 # --- loss-side regularisation -----------------------------------------------------------------
