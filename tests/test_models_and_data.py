@@ -169,18 +169,34 @@ def test_train_augmentation_differs_across_epochs_and_ranks_and_repeats_exactly(
     pairs = list(batches.values())
     assert all(not torch.equal(a, b) for i, a in enumerate(pairs) for b in pairs[i + 1:])
     assert torch.equal(first_batch(splits.train, cfg.data, 1, 1), batches[1, 1])
-    assert torch.equal(splits.val[0][0], splits.val[1][0]) and torch.equal(splits.val[0][0], splits.val[0][0])
+    assert torch.equal(splits.val[0][0], splits.val[1][0])
+
+
+# The datasets' published per-channel statistics, stated here again so that the test sees a change.
+IMAGENET = ((0.485, 0.456, 0.406), (0.229, 0.224, 0.225))
+CIFAR10 = ((0.4914, 0.4822, 0.4465), (0.2470, 0.2435, 0.2616))
 
 
 @pytest.mark.parametrize("augment", AUGMENTS)
 def test_every_preset_gives_normalised_crops_of_the_configured_size(augment):
-    image = Image.new("RGB", (50, 40), color=(120, 30, 200))
-    train, evaluate = imagefolder_transforms(24, augment, random_erase=0.25, interpolation="bicubic")
-    assert train(image).shape == evaluate(image).shape == (3, 24, 24)
-    train, evaluate = cifar10_transforms(augment, random_erase=0.25, interpolation="bilinear")
-    cifar_image = image.resize((32, 32))
-    assert train(cifar_image).shape == (3, 32, 32) and train(cifar_image).dtype == torch.float32
-    assert torch.equal(evaluate(cifar_image), evaluate(cifar_image))
+    """A constant colour c gives (c / 255 - mean) / std per channel, with the dataset's own statistics,
+    in a crop of the configured size; augment=none trains on exactly the eval transform."""
+    colour = (120, 30, 200)
+    image = Image.new("RGB", (50, 40), color=colour)
+    noise = Image.fromarray(np.random.default_rng(0).integers(0, 256, (40, 50, 3), dtype=np.uint8))
+    presets = {
+        "imagefolder": (lambda erase: imagefolder_transforms(24, augment, random_erase=erase, interpolation="bicubic"), 24, IMAGENET),
+        "cifar10": (lambda erase: cifar10_transforms(augment, random_erase=erase, interpolation="bilinear"), 32, CIFAR10),
+    }
+    for name, (transforms, size, (mean, std)) in presets.items():
+        source, noisy = (image, noise) if name == "imagefolder" else (image.resize((32, 32)), noise.resize((32, 32)))
+        expected = ((torch.tensor(colour) / 255 - torch.tensor(mean)) / torch.tensor(std)).view(3, 1, 1).expand(3, size, size)
+        train, evaluate = transforms(0.25)
+        assert train(source).shape == (3, size, size) and train(source).dtype == torch.float32
+        train, evaluate = transforms(0.0)
+        assert torch.allclose(evaluate(source), expected, atol=1e-5), name
+        if augment == "none":
+            assert torch.equal(train(noisy), evaluate(noisy)), name
 
 
 def test_eval_resizes_to_crop_over_0_875_then_centre_crops():
