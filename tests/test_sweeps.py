@@ -224,18 +224,20 @@ def test_plain_sweep_runs_the_other_jobs_and_reports_the_failed_one(tmp_path):
 
 
 def test_a_failed_job_leaves_nothing_behind_for_the_next_jobs(tmp_path):
-    """Jobs of a plain multirun share one process. After each job, a diverged one too, none of its
-    modules or tensors is reachable, its DataLoader workers are gone and its TensorBoard writer is
-    closed (tests/workers/leak_probe.py counts them at every job's start and end)."""
+    """Jobs of a plain multirun share one process. After each job, failed or not, none of its modules
+    or tensors is reachable, its DataLoader workers are gone and its TensorBoard writer is closed
+    (tests/workers/leak_probe.py counts them at every job's start and end). Job 0 diverges, jobs 1
+    and 3 fail with an unexpected error at step 2 (fault.raise_rank), job 2 ends well."""
     probe = tmp_path / "probe.jsonl"
-    result = launch(["-m", "strategy=single", *SMALL, "data.batch_size=16", "data.num_workers=2",
-                     "optim.lr=1e6,0.05", "+hydra.callbacks.leak_probe._target_=tests.workers.leak_probe.LeakProbe",
+    result = launch(["-m", "strategy=single", *SMALL, "data.batch_size=16", "data.num_workers=2", "optim.lr=1e6,0.05",
+                     "fault.raise_rank=-1,0", "fault.at_step=2",
+                     "+hydra.callbacks.leak_probe._target_=tests.workers.leak_probe.LeakProbe",
                      f"+hydra.callbacks.leak_probe.path={probe}"], tmp_path)
     assert result.returncode != 0, output(result)[-4000:]
-    diverged, ok = summary_rows(the_sweep_dir(tmp_path))
-    assert diverged["status"].startswith("failed: Diverged") and ok["status"] == "ok", (diverged, ok)
+    statuses = [row["status"].split(":")[:2] for row in summary_rows(the_sweep_dir(tmp_path))]
+    assert statuses == [["failed", " Diverged"], ["failed", " RuntimeError"], ["ok"], ["failed", " RuntimeError"]], statuses
     records = [json.loads(line) for line in probe.read_text().splitlines()]
-    assert [(r["job"], r["when"]) for r in records] == [(0, "start"), (0, "end"), (1, "start"), (1, "end")]
+    assert [(r["job"], r["when"]) for r in records] == [(job, when) for job in range(4) for when in ("start", "end")]
     for record in records:
         assert record | {"modules": 0, "tensors": 0, "loader_workers": 0, "open_event_writers": 0} == record, record
 
