@@ -163,7 +163,7 @@ class PlannedLR(lr_scheduler.LRScheduler):
     """
 
     def __init__(self, optimizer: torch.optim.Optimizer, kind: str, warmup: int, end: int, *, min_lr: float = 0.0,
-                 milestones: list[int] = (), gamma: float = 1.0):
+                 milestones: tuple[int, ...] | list[int] = (), gamma: float = 1.0):
         self.kind, self.warmup, self.end = kind, warmup, end
         self.min_lr, self.milestones, self.gamma = min_lr, list(milestones), gamma
         self.decay_start, self.decay_from = warmup, 1.0
