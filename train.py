@@ -61,7 +61,7 @@ from ddp.resume import (
 from ddp.run_dir import register_resolvers
 from ddp.sweep_summary import record_failed_job
 from ddp.syncbn import convert_syncbn
-from ddp.update import Diverged, UpdateStep, build_ema, build_scheduler, check_schedule, scaled_lr
+from ddp.update import Diverged, UpdateStep, build_ema, build_scheduler, check_schedule, resume_schedule, scaled_lr
 from ddp.wrap import process_gpus, seed_dataparallel_replicas, wrap_model
 from models import build_model
 
@@ -302,6 +302,7 @@ def fit(cfg: DictConfig, env: DistEnv, device: torch.device, gpus: list[int], me
     if resumed:
         optimizer.load_state_dict(resumed[1]["optimizer"])
         update.load_state_dict(resumed[1])
+        resume_schedule(optimizer, scheduler, lr, length.total_updates)  # this run's LR and length apply
         position, rank_state = resume_position(*resumed, cfg.data.batch_size, world_size, env.rank)
     position.epoch_totals = position.epoch_totals.to(device)
 

@@ -9,6 +9,7 @@ import sys
 import pytest
 import torch
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+from tensorboard.plugins.hparams import plugin_data_pb2
 
 from conftest import REPO, TINY, TORCHRUN, TRAIN, check, launch, load_last, load_results, run_dirs, write_imagefolder
 from models.small_cnn import SmallCNN
@@ -112,6 +113,25 @@ def test_logged_lr_is_the_schedule_step_for_step_across_a_resume_in_warmup(tmp_p
     assert [step for step, _ in logged] == list(range(1, 33))
     expected = [cosine_with_warmup(step - 1, 0.05, 10, 32, 0.001) for step, _ in logged]
     assert [value for _, value in logged] == pytest.approx(expected, rel=1e-6)  # TensorBoard stores float32
+
+
+def test_a_resume_with_a_changed_lr_trains_at_it_and_reports_it(tmp_path):
+    """4 updates at optim.lr=0.05, then resumed with optim.lr=0.5 up to update 8: the optimizer trains
+    at 0.5 (not the checkpoint's 0.05), and train/lr (TensorBoard's reader), results.json, the hparams
+    and the optimizer's state in the final checkpoint all say so."""
+    args = ["strategy=single", *TINY, "trainer.log_every_n_steps=1"]
+    check(launch([*args, "trainer.max_steps=4"], tmp_path))
+    (run_dir,) = run_dirs(tmp_path)
+    check(launch([*args, "trainer.max_steps=8", "optim.lr=0.5", f"resume={run_dir}"], tmp_path))
+    accumulator = EventAccumulator(str(run_dir))
+    accumulator.Reload()
+    logged = [(e.step, e.value) for e in accumulator.Scalars("train/lr")]
+    assert logged == [(step, pytest.approx(0.05 if step <= 4 else 0.5)) for step in range(1, 9)]
+    assert load_results(tmp_path)["lr"] == 0.5
+    assert [group["lr"] for group in load_last(tmp_path)["optimizer"]["param_groups"]] == [0.5]
+    content = accumulator.PluginTagToContent("hparams")
+    start = plugin_data_pb2.HParamsPluginData.FromString(content["_hparams_/session_start_info"]).session_start_info
+    assert start.hparams["lr"].number_value == 0.5
 
 
 @pytest.mark.parametrize("precision", ["bf16", "16"])
