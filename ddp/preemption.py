@@ -138,7 +138,7 @@ class StopOnSignal:
                 handler(self.requeue_signal, None)  # task 0 requeues the job and exits (SystemExit here)
             except SystemExit as requeued:
                 code = requeued.code if isinstance(requeued.code, int) else 1
-            except Exception as error:  # noqa: BLE001 - submitit refuses (e.g. timed out too many times): say why
+            except Exception as error:  # submitit refuses (e.g. timed out too many times): say why
                 _log_briefly(f"submitit did not requeue the job: {error}")
         _exit_now(code)
 

@@ -156,6 +156,7 @@ def test_a_restart_of_a_days_old_run_keeps_its_dir_while_another_launch_prunes_c
         agent.send_signal(signal.SIGSTOP)  # no restart until SIGCONT
         (claim,) = claims
         while not claim.read_text():
+            assert time.monotonic() < deadline, "the claim stayed empty"
             time.sleep(0.02)
         run_dir = tmp_path / claim.read_text()
         while not (list(run_dir.glob("checkpoints/step-*.pt")) and _holder(run_dir) is None):  # rank 0 saved, then died
