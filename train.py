@@ -338,7 +338,7 @@ def fit(cfg: DictConfig, env: DistEnv, device: torch.device, gpus: list[int], me
     # loop
     every_n = cfg.checkpoint.every_n_steps
     stopper = StopOnSignal(distributed=dist.is_initialized(), check_every_n_steps=trainer.log_every_n_steps,
-                           requeue_signal=submitit_requeue_signal() if env.launcher == "submitit" else None)
+                           deadline_s=trainer.stop_deadline_s, requeue_signal=submitit_requeue_signal() if env.launcher == "submitit" else None)
     saved = {"step": position.global_step if resumed else -1}
     progress = tqdm(total=length.total_updates, initial=position.global_step, desc="train",
                     disable=not (env.is_main and sys.stderr.isatty()))
