@@ -216,16 +216,21 @@ def start_epoch(loader: DataLoader, epoch: int, seed: int, rank: int, start: int
     loader.generator.manual_seed(seed + 1_000_003 * epoch + rank)
 
 
-def iterate_from(loader: DataLoader, start_batch: int, on_resume: Callable[[], None] | None = None) -> Iterator:
-    """(batch_index, batch) pairs from `start_batch` on, for resuming mid-epoch.
+def iterate_from(loader: DataLoader, start_batch: int, stop_batch: int | None = None,
+                 on_resume: Callable[[], None] | None = None) -> Iterator:
+    """(batch_index, batch) pairs from `start_batch` up to `stop_batch` (the loader's end by default),
+    for resuming mid-epoch.
 
     The skipped batches are loaded and dropped rather than cut from the sampler, so workers'
     random augmentations stay in step with the uninterrupted run. `on_resume` runs just before
-    the first yielded batch is loaded (that is when to restore the RNG state).
+    the first yielded batch is loaded (that is when to restore the RNG state). Nothing past
+    `stop_batch` is loaded: without workers, loading draws augmentation from the global RNG, which
+    a checkpoint saved after the epoch's last batch must not have seen.
     """
     batches = iter(loader)
     for _ in range(start_batch):
         next(batches)
     if on_resume is not None:
         on_resume()
-    yield from enumerate(batches, start=start_batch)
+    for batch_index in range(start_batch, len(loader) if stop_batch is None else stop_batch):
+        yield batch_index, next(batches)
