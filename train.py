@@ -302,7 +302,7 @@ def fit(cfg: DictConfig, env: DistEnv, device: torch.device, gpus: list[int], me
     if resumed:
         optimizer.load_state_dict(resumed[1]["optimizer"])
         update.load_state_dict(resumed[1])
-        position, rank_state = resume_position(*resumed, cfg.data.batch_size, world_size, env.rank)
+        position, rank_state = resume_position(*resumed, cfg.data.batch_size, world_size, env.rank, len(splits.train))
     position.epoch_totals = position.epoch_totals.to(device)
 
     writer = RankZeroWriter(run_dir, env, purge_step=position.global_step + 1 if resumed else None)
@@ -321,7 +321,7 @@ def fit(cfg: DictConfig, env: DistEnv, device: torch.device, gpus: list[int], me
         rank_states = gather_rank_states(capture_rank_state(train_loader.generator, position.epoch_totals, gpus))
         if env.is_main:
             state = checkpoint_state(raw_model, optimizer, update.state_dict(), position, length.samples_per_batch,
-                                     rank_states, OmegaConf.to_container(cfg, resolve=True))
+                                     len(splits.train), rank_states, OmegaConf.to_container(cfg, resolve=True))
             save_step_checkpoint(state, run_dir, position.global_step, cfg.checkpoint.keep_last)
         if dist.is_initialized():
             dist.barrier()  # nobody runs ahead (or exits) before the checkpoint exists
@@ -423,12 +423,12 @@ def fit(cfg: DictConfig, env: DistEnv, device: torch.device, gpus: list[int], me
     compute_timer.window_per_update()  # counts the last window
     # (data wait, peak memory, compute per update) of every rank
     per_rank = gather_per_rank([meter.data_wait_fraction, peak_mb, compute_timer.per_update], device)
-    epoch_samples = length.samples_per_batch * length.batches_per_epoch  # with the padding
+    epoch_samples = min(length.samples_per_batch * length.batches_per_epoch, len(splits.train))
     results = {
         **metrics,
         "steps": position.global_step,
         "epochs": position.epoch,  # completed
-        "epoch_progress": position.epoch + position.samples_in_epoch(length.samples_per_batch) / epoch_samples,
+        "epoch_progress": position.epoch + position.samples_in_epoch(length.samples_per_batch, len(splits.train)) / epoch_samples,
         "world_size": world_size,
         "strategy": cfg.strategy.name,
         "batch_size": cfg.data.batch_size,
