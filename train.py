@@ -71,8 +71,9 @@ log = logging.getLogger("train")
 def train_one_epoch(update, batches, epoch_batches, position, length, log_every_n_steps, world_size, writer, after_update,
                     record_batch=None) -> None:
     """Train on `batches` ((index, batch) pairs, which end at the epoch's `epoch_batches`) until they end
-    or the run's last update is done; no batch past that update is loaded. Micro-batches form groups of trainer.accumulate_grad_batches, one optimizer update
-    each (an epoch's last group may be shorter). `record_batch(index, step)`: the fault.record_samples_dir aid."""
+    or the run's last update is done; no batch past that update is loaded. Micro-batches form groups of
+    trainer.accumulate_grad_batches, one optimizer update each (an epoch's last group may be shorter).
+    `record_batch(index, step)`: the fault.record_samples_dir aid."""
     update.model.train()
     logged_step, logged_at = position.global_step, time.perf_counter()
     group_samples, first_batch = 0, None
