@@ -21,7 +21,8 @@ HERE = Path(__file__).resolve()
 REPO = HERE.parents[2]
 # frames that only carry a read through to aten, never cause one
 TORCH = Path(torch.__file__).parent
-PLUMBING = {str(HERE), *(str(TORCH / name) for name in ("utils/_python_dispatch.py", "_tensor.py", "_compile.py",
+PLUMBING = {str(HERE), str(HERE.with_name("instrumented_train.py")),  # the latter wraps Tensor.item
+            *(str(TORCH / name) for name in ("utils/_python_dispatch.py", "_tensor.py", "_compile.py",
                                                        "_dynamo/eval_frame.py", "utils/_contextlib.py"))}
 
 
