@@ -3,6 +3,7 @@ each in the order that keeps it right under DDP, plus a non-finite check that co
 
 import bisect
 import contextlib
+import copy
 import logging
 import math
 import warnings
@@ -14,7 +15,6 @@ import torch.nn.functional as F
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 from torch.optim import lr_scheduler
-from torch.optim.swa_utils import AveragedModel, get_ema_multi_avg_fn
 
 from ddp.config import ConfigError
 
@@ -46,7 +46,7 @@ class UpdateStep:
 
     def __init__(self, model: nn.Module, optimizer: torch.optim.Optimizer, *, device: torch.device, precision: str,
                  scheduler: lr_scheduler.LRScheduler | None = None, clip_norm: float | None = None,
-                 ema: AveragedModel | None = None, channels_last: bool = False, label_smoothing: float = 0.0,
+                 ema: "EMA | None" = None, channels_last: bool = False, label_smoothing: float = 0.0,
                  batch_mix: Callable | None = None):
         self.model, self.optimizer, self.scheduler, self.ema = model, optimizer, scheduler, ema
         self.label_smoothing = label_smoothing
@@ -142,13 +142,55 @@ def _bare(model: nn.Module) -> nn.Module:
     return model.module if isinstance(model, (DistributedDataParallel, nn.DataParallel)) else model
 
 
-def build_ema(model: nn.Module, decay: float | None) -> AveragedModel | None:
-    """An exponential moving average of the weights and buffers (torchvision's reference recipe),
-    on the model's device. Its update counter stays on the CPU: AveragedModel branches on it every
-    update, which on a GPU would wait for the device."""
+class EMA(nn.Module):
+    """An exponential moving average of a model's weights and buffers, updated without a host sync.
+
+    torch's AveragedModel (torchvision's reference recipe) branches on its tensor counter every
+    update (`bool(n_averaged == 0)`) and copies it to each (device, dtype) group: on a GPU both wait
+    for the device. Here the count is a Python int. The first update copies the model; each later
+    one is `ema = lerp(ema, w, 1 - decay)` over the floating-point weights and buffers in one
+    `torch._foreach_lerp_` (get_ema_multi_avg_fn's math), and integer buffers (BatchNorm's
+    num_batches_tracked) are copied. Its state_dict is AveragedModel's, `module.<key>` plus
+    `n_averaged`, so checkpoints written with either load into it.
+    """
+
+    def __init__(self, model: nn.Module, decay: float):
+        super().__init__()
+        self.module = copy.deepcopy(model)
+        self.decay = decay
+        self.n_averaged = 0  # updates so far
+        self.register_state_dict_post_hook(_save_count)
+        self.register_load_state_dict_pre_hook(_load_count)
+
+    @torch.no_grad()
+    def update_parameters(self, model: nn.Module) -> None:
+        averaged = [*self.module.parameters(), *self.module.buffers()]
+        current = [t.detach() for t in (*model.parameters(), *model.buffers())]
+        if self.n_averaged == 0:
+            torch._foreach_copy_(averaged, current)
+        else:
+            floating = [i for i, t in enumerate(averaged) if t.is_floating_point()]
+            torch._foreach_lerp_([averaged[i] for i in floating], [current[i] for i in floating], 1 - self.decay)
+            for ema_tensor, tensor in zip(averaged, current):
+                if not ema_tensor.is_floating_point():
+                    ema_tensor.copy_(tensor)
+        self.n_averaged += 1
+
+
+def _save_count(ema: EMA, state_dict: dict, prefix: str, local_metadata) -> None:
+    state_dict[prefix + "n_averaged"] = torch.tensor(ema.n_averaged)
+
+
+def _load_count(ema: EMA, state_dict: dict, prefix: str, *_) -> None:
+    ema.n_averaged = int(state_dict.pop(prefix + "n_averaged"))  # load_state_dict passes a copy
+
+
+def build_ema(model: nn.Module, decay: float | None) -> EMA | None:
+    """The EMA of `model` (on its device) with that decay, or None for none. Its update does no host
+    read and copies nothing between devices, so it never waits for the GPU."""
     if decay is None:
         return None
-    return AveragedModel(model, multi_avg_fn=get_ema_multi_avg_fn(decay), use_buffers=True)
+    return EMA(model, decay)
 
 
 class PlannedLR(lr_scheduler.LRScheduler):

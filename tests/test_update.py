@@ -10,9 +10,11 @@ import pytest
 import torch
 from omegaconf import OmegaConf
 from torch import nn
+from torch.optim.swa_utils import AveragedModel, get_ema_multi_avg_fn
 
 from ddp.update import UpdateStep, build_ema, build_scheduler, resume_schedule
 from models.small_cnn import SmallCNN
+from workers.host_reads import HostReads
 
 
 def small_model(norm: str = "batch") -> nn.Module:
@@ -67,6 +69,70 @@ def test_updates_happen_once_per_group_and_the_schedule_steps_with_them():
                       and "num_batches" not in k)
         assert changed == (micro == 2), micro  # weights move only after the group's last micro-batch
     assert scheduler.last_epoch == 1 and int(ema.n_averaged) == 1
+
+
+def trained_a_little(model: nn.Module, seed: int) -> dict[str, torch.Tensor]:
+    """New weights and BatchNorm statistics for `model`, as an update would leave them; returns a copy."""
+    torch.manual_seed(seed)
+    with torch.no_grad():
+        for parameter in model.parameters():
+            parameter.add_(torch.randn_like(parameter))
+    model.train()
+    model(batch(4)[0])  # running statistics and num_batches_tracked move
+    return copy.deepcopy(model.state_dict())
+
+
+def test_ema_copies_on_its_first_update_then_lerps_towards_the_weights_by_one_minus_decay():
+    model = small_model()
+    ema = build_ema(model, 0.9)
+    first = trained_a_little(model, seed=1)
+    ema.update_parameters(model)
+    second = trained_a_little(model, seed=2)
+    ema.update_parameters(model)
+    averaged = ema.module.state_dict()
+    assert averaged.keys() == first.keys() and any(key.endswith("running_mean") for key in averaged)
+    for key, value in averaged.items():
+        if value.is_floating_point():
+            torch.testing.assert_close(value, torch.lerp(first[key], second[key], 1 - 0.9), rtol=0, atol=0,
+                                       msg=lambda m, key=key: f"{key}: {m}")
+            assert not torch.equal(value, second[key]), key
+        else:  # num_batches_tracked: a count, not averaged
+            assert torch.equal(value, second[key]), key
+    assert ema.n_averaged == 2
+
+
+def test_ema_checkpoint_is_averaged_models_both_ways():
+    """The state_dict keeps torch.optim.swa_utils.AveragedModel's format (`module.<key>`, `n_averaged`):
+    checkpoints written before the EMA stopped using AveragedModel still resume, and an EMA
+    checkpoint loads into AveragedModel."""
+    model = small_model()
+    old = AveragedModel(model, multi_avg_fn=get_ema_multi_avg_fn(0.9), use_buffers=True)
+    for seed in (1, 2, 3):
+        trained_a_little(model, seed)
+        old.update_parameters(model)
+    ema = build_ema(small_model(), 0.9)
+    ema.load_state_dict(old.state_dict())
+    assert ema.n_averaged == 3
+    for key, value in ema.module.state_dict().items():
+        assert torch.equal(value, old.module.state_dict()[key]), key
+    state = ema.state_dict()
+    assert state.keys() == old.state_dict().keys() and state["n_averaged"].dtype == torch.int64
+    AveragedModel(small_model(), use_buffers=True).load_state_dict(state, strict=True)
+
+
+def test_ema_update_reads_nothing_back_to_the_host_where_averaged_model_does():
+    """On a GPU a host read waits for the device. The detector sees AveragedModel's
+    `bool(n_averaged == 0)` and `n_averaged > 0`; the EMA's update makes no read at all."""
+    model = small_model()
+    ema, old = build_ema(model, 0.9), AveragedModel(model, multi_avg_fn=get_ema_multi_avg_fn(0.9), use_buffers=True)
+    with HostReads() as ours:
+        for _ in range(3):
+            ema.update_parameters(model)
+    with HostReads() as torchs:
+        for _ in range(3):
+            old.update_parameters(model)
+    assert ours.events == []
+    assert torchs.events == [("_local_scalar_dense", "torch/optim/swa_utils.py:update_parameters")] * 6
 
 
 def test_a_step_the_fp16_scaler_skips_still_advances_the_schedule_and_is_no_divergence():
