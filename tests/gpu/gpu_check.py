@@ -300,7 +300,7 @@ def main() -> int:
         return 0
     print(f"gpu-check: {torch.cuda.get_device_name(0)}, torch {torch.__version__}, CUDA {torch.version.cuda}")
     scratch = Path(tempfile.mkdtemp(prefix="gpu-check-"))
-    failed = 0
+    failed, began = 0, time.perf_counter()
     for check in CHECKS:
         name = check.__name__.removeprefix("check_")
         started = time.perf_counter()
@@ -310,7 +310,8 @@ def main() -> int:
         except Exception as error:  # noqa: BLE001 (every check reports, even after one fails)
             failed += 1
             print(f"FAIL {name} ({time.perf_counter() - started:.0f} s): {type(error).__name__}: {error}", flush=True)
-    print(f"gpu-check: {len(CHECKS) - failed} of {len(CHECKS)} passed; runs in {scratch}")
+    print(f"gpu-check: {len(CHECKS) - failed} of {len(CHECKS)} passed in {time.perf_counter() - began:.0f} s "
+          f"(meant to take under 300 s); runs in {scratch}")
     return 1 if failed else 0
 
 
