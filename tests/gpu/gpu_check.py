@@ -62,8 +62,16 @@ def launch(args: list[str], cwd: Path, nproc: int | None = None, env: dict | Non
 def watched(args: list[str], cwd: Path, nproc: int | None = None, env: dict | None = None) -> dict:
     """`launch` under tests/gpu/watched_train.py; returns rank 0's watch report (its docstring says what it holds)."""
     (cwd / "watch").mkdir(parents=True, exist_ok=True)
-    launch(args, cwd, nproc=nproc, env={"WATCH_DIR": str(cwd / "watch"), **(env or {})}, script=WATCHED)
-    return json.loads((cwd / "watch" / "watch_rank0.json").read_text())
+    report = cwd / "watch" / "watch_rank0.json"
+    try:
+        launch(args, cwd, nproc=nproc, env={"WATCH_DIR": str(cwd / "watch"), **(env or {})}, script=WATCHED)
+    except AssertionError as failure:
+        if report.exists() and json.loads(report.read_text()).get("stopped_in_error_mode"):
+            quiet = json.loads(report.read_text())["error_mode_after"][-1]
+            raise AssertionError(f"a host sync between the optimizer steps of updates {quiet} and {quiet + 1} (sync "
+                                 f"debug mode 'error'; the traceback below shows where)\n{failure}") from None
+        raise
+    return json.loads(report.read_text())
 
 
 def run_dir(cwd: Path) -> Path:

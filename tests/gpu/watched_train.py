@@ -9,7 +9,7 @@ Writes `watch_rank<R>.json` to $WATCH_DIR as the process ends:
   EMA, the loop's housekeeping) and the next update's micro-batches up to its optimizer step, as
   the CPU suite's quiet-update watcher counts them. `error_mode_after` lists the windows it armed;
   `probe_raised` says whether error mode really raised, at the first window, for a `.item()` and
-  for a blocking CPU-to-GPU copy;
+  for a blocking CPU-to-GPU copy; `stopped_in_error_mode`, whether the run ended inside a window;
 - `no_sync_calls`: how often DDP's no_sync() was entered (gradient accumulation);
 - `ddp_wraps`: the type of each module DistributedDataParallel wrapped (OptimizedModule: compiled);
 - `dynamo`: torch._dynamo's counters, when torch.compile ran;
@@ -53,6 +53,7 @@ def after_optimizer_step(optimizer, args, kwargs) -> None:
     report["updates"] += 1
     if report["updates"] not in SYNC_ERROR_AFTER:
         if SYNC_ERROR_AFTER:
+            report["stopped_in_error_mode"] = torch.cuda.get_sync_debug_mode() == 2
             torch.cuda.set_sync_debug_mode("default")
         return
     if report["probe_raised"] is None:
@@ -94,6 +95,7 @@ if __name__ == "__main__":  # not when DataLoader workers' start-up imports this
         runpy.run_path(str(TRAIN), run_name="__main__")
     finally:
         if SYNC_ERROR_AFTER:
+            report["stopped_in_error_mode"] = torch.cuda.get_sync_debug_mode() == 2
             torch.cuda.set_sync_debug_mode("default")
         if "torch._dynamo" in sys.modules:
             from torch._dynamo.utils import counters
