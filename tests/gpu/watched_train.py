@@ -1,7 +1,8 @@
 """train.py's own main on a GPU, watched from outside the product code (for tests/gpu/gpu_check.py).
 Writes `watch_rank<R>.json` to $WATCH_DIR as the process ends:
 
-- `updates`: optimizer steps taken (a global optimizer-step hook counts them);
+- `updates`: optimizer steps taken (a global optimizer-step hook counts them; an fp16 step that the
+  GradScaler skips is not one, so windows are meant for bf16 or fp32 runs);
 - with $SYNC_ERROR_AFTER (comma-separated update numbers): from the optimizer step of each listed
   update to the next optimizer step, `torch.cuda.set_sync_debug_mode("error")` is on, so any host
   sync there (`.item()`, `bool()` of a CUDA tensor, a blocking copy to or from the GPU, a
