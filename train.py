@@ -62,7 +62,7 @@ from ddp.resume import (
 from ddp.run_dir import register_resolvers
 from ddp.sweep_summary import record_failed_job
 from ddp.syncbn import convert_syncbn
-from ddp.update import Diverged, UpdateStep, build_ema, build_scheduler, check_schedule, scaled_lr
+from ddp.update import Diverged, UpdateStep, build_ema, build_scheduler, check_schedule, resume_schedule, scaled_lr
 from ddp.wrap import process_gpus, seed_dataparallel_replicas, wrap_model
 from models import build_model
 
@@ -71,15 +71,14 @@ log = logging.getLogger("train")
 
 def train_one_epoch(update, batches, epoch_batches, position, length, log_every_n_steps, world_size, writer, after_update,
                     record_batch=None) -> None:
-    """Train on `batches` ((index, batch) pairs) until the epoch's `epoch_batches` are done or the run's
-    last update is. Micro-batches form groups of trainer.accumulate_grad_batches, one optimizer update
-    each (an epoch's last group may be shorter). `record_batch(index, step)`: the fault.record_samples_dir aid."""
+    """Train on `batches` ((index, batch) pairs, which end at the epoch's `epoch_batches`) until they end
+    or the run's last update is done; no batch past that update is loaded. Micro-batches form groups of
+    trainer.accumulate_grad_batches, one optimizer update each (an epoch's last group may be shorter).
+    `record_batch(index, step)`: the fault.record_samples_dir aid."""
     update.model.train()
     logged_step, logged_at = position.global_step, time.perf_counter()
     group_samples, first_batch = 0, None
     for batch_index, (images, labels) in batches:
-        if batch_index >= epoch_batches or position.global_step >= length.max_steps:
-            break
         if record_batch is not None:
             record_batch(batch_index, position.global_step + 1)  # the update this batch counts toward
         first_batch = batch_index if first_batch is None else first_batch
@@ -110,6 +109,8 @@ def train_one_epoch(update, batches, epoch_batches, position, length, log_every_
         epoch_ends = position.batch_in_epoch == epoch_batches or position.global_step >= length.max_steps
         after_update(group_samples * world_size, epoch_ends)
         group_samples = 0
+        if epoch_ends:  # before the next batch loads: without workers, loading draws from the global RNG
+            break
 
 
 @torch.no_grad()
@@ -303,7 +304,8 @@ def fit(cfg: DictConfig, env: DistEnv, device: torch.device, gpus: list[int], me
     if resumed:
         optimizer.load_state_dict(resumed[1]["optimizer"])
         update.load_state_dict(resumed[1])
-        position, rank_state = resume_position(*resumed, cfg.data.batch_size, world_size, env.rank)
+        resume_schedule(optimizer, scheduler, lr, length.total_updates)  # this run's LR and length apply
+        position, rank_state = resume_position(*resumed, cfg.data.batch_size, world_size, env.rank, len(splits.train))
     position.epoch_totals = position.epoch_totals.to(device)
 
     log.info(
@@ -321,7 +323,7 @@ def fit(cfg: DictConfig, env: DistEnv, device: torch.device, gpus: list[int], me
         rank_states = gather_rank_states(capture_rank_state(train_loader.generator, position.epoch_totals, gpus))
         if env.is_main:
             state = checkpoint_state(raw_model, optimizer, update.state_dict(), position, length.samples_per_batch,
-                                     rank_states, OmegaConf.to_container(cfg, resolve=True))
+                                     len(splits.train), rank_states, OmegaConf.to_container(cfg, resolve=True))
             save_step_checkpoint(state, run_dir, position.global_step, cfg.checkpoint.keep_last)
         if dist.is_initialized():
             dist.barrier()  # nobody runs ahead (or exits) before the checkpoint exists
@@ -337,7 +339,7 @@ def fit(cfg: DictConfig, env: DistEnv, device: torch.device, gpus: list[int], me
     # loop
     every_n = cfg.checkpoint.every_n_steps
     stopper = StopOnSignal(distributed=dist.is_initialized(), check_every_n_steps=trainer.log_every_n_steps,
-                           requeue_signal=submitit_requeue_signal() if env.launcher == "submitit" else None)
+                           deadline_s=trainer.stop_deadline_s, requeue_signal=submitit_requeue_signal() if env.launcher == "submitit" else None)
     saved = {"step": position.global_step if resumed else -1}
     progress = tqdm(total=length.total_updates, initial=position.global_step, desc="train",
                     disable=not (env.is_main and sys.stderr.isatty()))
@@ -386,7 +388,7 @@ def fit(cfg: DictConfig, env: DistEnv, device: torch.device, gpus: list[int], me
             # as many as the full epoch, but a resumed epoch that starts part-way may have one fewer
             epoch_batches = min(len(train_loader), length.batches_per_epoch)
             restore = (lambda state=rank_state: restore_rank_state(state, gpus)) if rank_state else None
-            batches = meter.timed(iterate_from(train_loader, position.batch_in_epoch, on_resume=restore))
+            batches = meter.timed(iterate_from(train_loader, position.batch_in_epoch, epoch_batches, on_resume=restore))
             rank_state = None
             record_batch = recorder.start_epoch(train_loader.sampler, position.epoch) if recorder else None
             meter.resume()
@@ -426,12 +428,12 @@ def fit(cfg: DictConfig, env: DistEnv, device: torch.device, gpus: list[int], me
     compute_timer.window_per_update()  # counts the last window
     # (data wait, peak memory, compute per update) of every rank
     per_rank = gather_per_rank([meter.data_wait_fraction, peak_mb, compute_timer.per_update], device)
-    epoch_samples = length.samples_per_batch * length.batches_per_epoch  # with the padding
+    epoch_samples = min(length.samples_per_batch * length.batches_per_epoch, len(splits.train))
     results = {
         **metrics,
         "steps": position.global_step,
         "epochs": position.epoch,  # completed
-        "epoch_progress": position.epoch + position.samples_in_epoch(length.samples_per_batch) / epoch_samples,
+        "epoch_progress": position.epoch + position.samples_in_epoch(length.samples_per_batch, len(splits.train)) / epoch_samples,
         "world_size": world_size,
         "strategy": cfg.strategy.name,
         "batch_size": cfg.data.batch_size,

@@ -170,6 +170,10 @@ class TrainerConfig:
     gradient_clip_norm: float | None = None  # null: off; else clip the global grad norm to this
     label_smoothing: float = 0.0  # of the training loss (F.cross_entropy's); validation reports the plain loss
     log_every_n_steps: int = 10  # at most MAX_LOG_EVERY_N_STEPS: DDP ranks also agree on SIGTERM then
+    # After SIGTERM, Ctrl-C or submitit's requeue signal, a rank that reaches no check step within this
+    # exits without a checkpoint (a requeue signal still requeues). torchrun force-kills 30 s after its
+    # SIGTERM: leave time to save once.
+    stop_deadline_s: float = 20.0
     val_every_n_epochs: int = 1
     limit_train_batches: int = -1  # -1: all; for smoke runs
     limit_val_batches: int = -1  # -1: all; a limit makes validation inexact
@@ -185,7 +189,7 @@ class CheckpointConfig:
 @dataclass
 class FaultConfig:
     """Testing aids, off by default: one rank fails at one step (on the first attempt only), one rank is
-    slowed, or every rank records the samples it trains."""
+    slowed, validation is slowed, or every rank records the samples it trains."""
 
     kill_rank: int = -1  # this rank exits hard (SIGKILL)
     raise_rank: int = -1  # this rank raises an exception
@@ -194,6 +198,7 @@ class FaultConfig:
     every_attempt: bool = False  # fail after torchrun restarts too (exhausts --max-restarts)
     slow_rank: int = -1  # this rank's every training forward takes slow_ms longer (a straggler)
     slow_ms: float = 0.0
+    slow_val_ms: float = 0.0  # every rank's every validation forward takes this much longer (a long validation)
     record_samples_dir: str | None = None  # each rank appends the dataset indices of every batch it trains here
 
 
@@ -285,7 +290,7 @@ SPLITS = ("val", "test")
 PRECISIONS = ("32", "bf16", "16")
 COMPILE_MODES = (None, "default", "reduce-overhead", "max-autotune", "max-autotune-no-cudagraphs")
 LR_SCALINGS = ("none", "linear", "sqrt")
-# DDP ranks act on SIGTERM at log steps; this many steps must fit in the 20 s before a rank gives up.
+# DDP ranks act on SIGTERM at log steps; this many steps must fit in trainer.stop_deadline_s.
 MAX_LOG_EVERY_N_STEPS = 100
 BACKENDS = ("auto", "nccl", "gloo")
 
@@ -337,8 +342,9 @@ def validate(cfg: Any, *, launched: bool, world_size: int) -> None:
     _check(
         trainer.log_every_n_steps <= MAX_LOG_EVERY_N_STEPS,
         f"trainer.log_every_n_steps={trainer.log_every_n_steps}: must be <= {MAX_LOG_EVERY_N_STEPS} (DDP ranks check "
-        "for SIGTERM at log steps, and must reach one within 20 s of it)",
+        "for SIGTERM at log steps, and must reach one within trainer.stop_deadline_s of it)",
     )
+    _check(trainer.stop_deadline_s > 0, f"trainer.stop_deadline_s={trainer.stop_deadline_s}: must be > 0")
     _check(trainer.warmup_steps >= 0, f"trainer.warmup_steps={trainer.warmup_steps}: must be >= 0")
     _check(cfg.checkpoint.every_n_steps >= 0, f"checkpoint.every_n_steps={cfg.checkpoint.every_n_steps}: must be >= 0 (0: only at the end)")
     _check(cfg.checkpoint.keep_last >= 1, f"checkpoint.keep_last={cfg.checkpoint.keep_last}: must be >= 1")
@@ -348,6 +354,7 @@ def validate(cfg: Any, *, launched: bool, world_size: int) -> None:
         _check(rank < 0 or cfg.fault.at_step >= 1, f"fault.{key}={rank} needs fault.at_step >= 1")
     _check(cfg.fault.slow_rank < world_size, f"fault.slow_rank={cfg.fault.slow_rank}: there are only {world_size} ranks")
     _check(cfg.fault.slow_rank < 0 or cfg.fault.slow_ms > 0, f"fault.slow_rank={cfg.fault.slow_rank} needs fault.slow_ms > 0")
+    _check(cfg.fault.slow_val_ms >= 0, f"fault.slow_val_ms={cfg.fault.slow_val_ms}: must be >= 0")
     _check(cfg.mode in MODES, f"mode={cfg.mode}: unknown, use one of {', '.join(MODES)}")
     _check(cfg.data.split in SPLITS, f"data.split={cfg.data.split}: unknown, use one of {', '.join(SPLITS)}")
     if cfg.mode == "eval":

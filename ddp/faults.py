@@ -32,14 +32,20 @@ def inject_fault(fault_cfg, rank: int, step: int) -> None:
 
 def slow_down(module, fault_cfg, rank: int) -> None:
     """fault.slow_rank: that rank sleeps fault.slow_ms at the start of every training forward, as a
-    slower GPU or a busier host would make it compute longer (a straggler)."""
-    if rank != fault_cfg.slow_rank:
+    slower GPU or a busier host would make it compute longer (a straggler). fault.slow_val_ms: every
+    rank sleeps that long at the start of every validation forward (a long validation)."""
+    slow_training = rank == fault_cfg.slow_rank
+    if not slow_training and fault_cfg.slow_val_ms <= 0:
         return
-    log.warning("fault.slow_rank=%d: every training forward of this rank takes %g ms longer", rank, fault_cfg.slow_ms)
+    if slow_training:
+        log.warning("fault.slow_rank=%d: every training forward of this rank takes %g ms longer", rank, fault_cfg.slow_ms)
 
     def sleep(module, args) -> None:
-        if module.training:
+        if module.training and slow_training:
             time.sleep(fault_cfg.slow_ms / 1000)
+        elif not module.training and fault_cfg.slow_val_ms > 0:
+            log.info("fault.slow_val_ms: this validation batch takes %g ms longer", fault_cfg.slow_val_ms)
+            time.sleep(fault_cfg.slow_val_ms / 1000)
 
     module.register_forward_pre_hook(sleep)
 

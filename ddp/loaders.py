@@ -55,8 +55,9 @@ def rest_of_epoch(order: Sequence[int], start: int, world_size: int, rank: int) 
     takes every world_size-th sample from r; fewer than world_size repeats make the shares equal).
 
     Why it is exact: after k batches of B on each of W ranks, DistributedSampler's ranks have trained
-    precisely `order[:k * B * W]`. So a run resumed at any world size continues with `order[start:]`,
-    start = k * B * W, and trains every sample of the epoch once.
+    precisely `order[:k * B * W]`, or all of `order` once k includes the epoch's last batch (which
+    may be partial). So a run resumed at any world size continues with `order[start:]`,
+    start = min(k * B * W, len(order)), and trains every sample of the epoch once.
     """
     rest = order[start:]
     share = DistributedSampler(range(len(rest)), num_replicas=world_size, rank=rank, shuffle=False)
@@ -70,7 +71,8 @@ def resume_point(samples_in_epoch: int, batch_size: int, world_size: int) -> tup
     The loader starts at the largest multiple of batch_size x world_size it can, and skips the rest
     by loading batches: at an unchanged world size it starts at 0 and skips everything, which keeps a
     resume bit-identical (`iterate_from`). Only a world size whose global batch doesn't divide the
-    position starts the epoch part-way (TrainSampler).
+    position starts the epoch part-way (TrainSampler); so does a finished epoch whose last batch
+    was partial, with nothing left to load.
     """
     skip, start = divmod(samples_in_epoch, batch_size * world_size)
     return start, skip
@@ -216,16 +218,21 @@ def start_epoch(loader: DataLoader, epoch: int, seed: int, rank: int, start: int
     loader.generator.manual_seed(seed + 1_000_003 * epoch + rank)
 
 
-def iterate_from(loader: DataLoader, start_batch: int, on_resume: Callable[[], None] | None = None) -> Iterator:
-    """(batch_index, batch) pairs from `start_batch` on, for resuming mid-epoch.
+def iterate_from(loader: DataLoader, start_batch: int, stop_batch: int | None = None,
+                 on_resume: Callable[[], None] | None = None) -> Iterator:
+    """(batch_index, batch) pairs from `start_batch` up to `stop_batch` (the loader's end by default),
+    for resuming mid-epoch.
 
     The skipped batches are loaded and dropped rather than cut from the sampler, so workers'
     random augmentations stay in step with the uninterrupted run. `on_resume` runs just before
-    the first yielded batch is loaded (that is when to restore the RNG state).
+    the first yielded batch is loaded (that is when to restore the RNG state). Nothing past
+    `stop_batch` is loaded: without workers, loading draws augmentation from the global RNG, which
+    a checkpoint saved after the epoch's last batch must not have seen.
     """
     batches = iter(loader)
     for _ in range(start_batch):
         next(batches)
     if on_resume is not None:
         on_resume()
-    yield from enumerate(batches, start=start_batch)
+    for batch_index in range(start_batch, len(loader) if stop_batch is None else stop_batch):
+        yield batch_index, next(batches)

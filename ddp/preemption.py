@@ -7,9 +7,11 @@ import contextlib
 import logging
 import multiprocessing
 import os
+import select
 import shlex
 import signal
 import threading
+import time
 from pathlib import Path
 
 import torch
@@ -18,8 +20,6 @@ import torch.distributed as dist
 log = logging.getLogger(__name__)
 
 STOP_SIGNALS = (signal.SIGTERM, signal.SIGINT)
-# torchrun force-kills 30 s after its SIGTERM: leave time to save once at a check step.
-STEP_BOUNDARY_GRACE_S = 20.0
 
 
 class Interrupted(SystemExit):
@@ -40,23 +40,39 @@ class StopOnSignal:
 
     Under DDP the ranks agree to stop only every `check_every_n_steps` steps and at an epoch's last
     step, where the loop already waits for the device (loss logging, epoch totals): the other steps
-    do no collective and no host sync. A rank that doesn't reach a check in time (stalled, or
-    blocked in a collective whose peer is gone) exits without a checkpoint rather than holding up
-    the shutdown. A second SIGINT means "now": exit at once, without this step's checkpoint.
+    do no collective and no host sync. A rank that doesn't reach a check within `deadline_s` of its
+    first stop signal (stalled, in a long validation or save, or blocked in a collective whose peer
+    is gone) exits without a checkpoint rather than holding up the shutdown; after submitit's
+    requeue signal it still has submitit requeue the job, which resumes from its last checkpoint. A
+    second SIGINT means "now": exit at once, without this step's checkpoint.
+
+    Python runs a signal handler only when the main thread returns to bytecode, which a rank
+    blocked in a collective doesn't do until the collective returns. So the deadline and the second
+    SIGINT are enforced by a watchdog thread that learns of each signal from the interpreter's
+    wakeup fd (`signal.set_wakeup_fd`), written the moment the signal arrives; it needs only that
+    the blocked call release the GIL, as collectives, device waits and sleeps do.
     """
 
-    def __init__(self, distributed: bool, check_every_n_steps: int, requeue_signal: int | None = None):
+    def __init__(self, distributed: bool, check_every_n_steps: int, deadline_s: float, requeue_signal: int | None = None):
         self.distributed = distributed
         self.check_every_n_steps = check_every_n_steps
         self.requeue_signal = requeue_signal
+        self.deadline_s = deadline_s
         self.received = 0  # the first stop signal's number
         self.requeue_asked = False
         self.saved_step: int | None = None  # the step whose checkpoint the stop saved
-        self.deadline: threading.Timer | None = None
+        # Held by the watchdog from the moment it gives up: the loop then can't start a stop's save.
+        self._at_boundary_lock = threading.Lock()
+        self._at_boundary = False
 
     def __enter__(self) -> "StopOnSignal":
         signums = STOP_SIGNALS if self.requeue_signal is None else (*STOP_SIGNALS, self.requeue_signal)
         self.previous = {signum: signal.signal(signum, self._handle) for signum in signums}
+        self._wakeup_read, self._wakeup_write = os.pipe()
+        os.set_blocking(self._wakeup_write, False)  # as set_wakeup_fd requires
+        self._previous_wakeup = signal.set_wakeup_fd(self._wakeup_write, warn_on_full_buffer=False)
+        self._watchdog = threading.Thread(target=self._watch, name="stop-deadline", daemon=True)
+        self._watchdog.start()
         return self
 
     def requeue_if_asked(self) -> None:
@@ -67,35 +83,64 @@ class StopOnSignal:
             handler(self.requeue_signal, None)
 
     def __exit__(self, exc_type, exc, traceback) -> None:
-        if self.deadline is not None:
-            self.deadline.cancel()
         if isinstance(exc, Interrupted):
-            return  # on the way out: a second Ctrl-C during shutdown still exits at once, quietly
+            return  # on the way out: the watchdog stays, so a second Ctrl-C during shutdown exits at once
+        signal.set_wakeup_fd(self._previous_wakeup)
         for signum, handler in self.previous.items():
             signal.signal(signum, handler)
+        os.write(self._wakeup_write, b"\0")  # ends the watchdog
+        self._watchdog.join()
+        os.close(self._wakeup_read)
+        os.close(self._wakeup_write)
 
     def _handle(self, signum, frame) -> None:
-        # Runs between two bytecodes of the main thread, maybe inside logging: write, don't log.
+        # The loop's view of the signals; the watchdog acts on them even when this runs late.
         if signum == self.requeue_signal:
             self.requeue_asked = True
-        if self.received and signum == signal.SIGINT:
-            if self.saved_step is None:
-                message = "interrupted again: exiting at once, without a checkpoint of this step (the last saved one is intact)"
-            else:
-                message = f"interrupted again: exiting at once (the checkpoint of step {self.saved_step} is saved)"
-            os.write(2, f"error: {message}\n".encode())
-            _exit_now(128 + signal.SIGINT)
         if not self.received:
             self.received = signum
-            self.deadline = threading.Timer(STEP_BOUNDARY_GRACE_S, self._give_up)
-            self.deadline.daemon = True
-            self.deadline.start()
 
-    def _give_up(self) -> None:
-        log.error("%s: no step boundary within %.0f s, exiting without a checkpoint",
-                  signal.Signals(self.received).name, STEP_BOUNDARY_GRACE_S)
-        logging.shutdown()
-        _exit_now(128 + self.received)
+    def _watch(self) -> None:
+        first, requeue, deadline = 0, False, None
+        while True:
+            timeout = None if deadline is None else max(0.0, deadline - time.monotonic())
+            if not select.select([self._wakeup_read], [], [], timeout)[0]:
+                self._at_boundary_lock.acquire()  # never released if this gives up
+                if self._at_boundary:
+                    self._at_boundary_lock.release()
+                    deadline = None  # the stop's save may take what time is left
+                    continue
+                self._give_up(first, requeue)
+            for signum in os.read(self._wakeup_read, 64):
+                if signum == 0:
+                    return
+                if signum not in self.previous:
+                    continue  # another signal with a Python handler
+                requeue = requeue or signum == self.requeue_signal
+                if not first:
+                    first, deadline = signum, time.monotonic() + self.deadline_s
+                elif signum == signal.SIGINT:
+                    if self.saved_step is None:
+                        message = "interrupted again: exiting at once, without a checkpoint of this step (the last saved one is intact)"
+                    else:
+                        message = f"interrupted again: exiting at once (the checkpoint of step {self.saved_step} is saved)"
+                    os.write(2, f"error: {message}\n".encode())
+                    _exit_now(128 + signal.SIGINT)
+
+    def _give_up(self, signum: int, requeue: bool) -> None:
+        name = signal.Signals(signum).name
+        then = "; submitit requeues the job, which resumes from its last checkpoint" if requeue else ""
+        _log_briefly(f"{name}: no step boundary within {self.deadline_s:g} s, exiting without a checkpoint{then}")
+        code = 128 + signum
+        handler = self.previous.get(self.requeue_signal)
+        if requeue and callable(handler):
+            try:
+                handler(self.requeue_signal, None)  # task 0 requeues the job and exits (SystemExit here)
+            except SystemExit as requeued:
+                code = requeued.code if isinstance(requeued.code, int) else 1
+            except Exception as error:  # submitit refuses (e.g. timed out too many times): say why
+                _log_briefly(f"submitit did not requeue the job: {error}")
+        _exit_now(code)
 
     def stop_now(self, step: int, epoch_ends: bool, device: torch.device) -> int:
         """The stop signal's number on every rank at the first check after any rank got one (all stop
@@ -107,9 +152,18 @@ class StopOnSignal:
             flag = torch.tensor([self.received], device=device)
             dist.all_reduce(flag, op=dist.ReduceOp.MAX)
             stop = int(flag.item())
-        if stop and self.deadline is not None:
-            self.deadline.cancel()  # at the boundary now: the save may take what time is left
+        if stop:
+            with self._at_boundary_lock:  # waits forever if the watchdog has given up: it is exiting
+                self._at_boundary = True
         return stop
+
+
+def _log_briefly(message: str) -> None:
+    """Logs an error from the watchdog, waiting at most 1 s: the blocked main thread may hold the
+    logging locks."""
+    said = threading.Thread(target=log.error, args=("%s", message), daemon=True)
+    said.start()
+    said.join(timeout=1.0)
 
 
 def submitit_requeue_signal() -> int:

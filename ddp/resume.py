@@ -33,13 +33,15 @@ class Position:
     # this rank's loss sum and sample count so far in `epoch` (float64, kept on the training device)
     epoch_totals: torch.Tensor = field(default_factory=lambda: torch.zeros(2, dtype=torch.float64))
 
-    def samples_in_epoch(self, samples_per_batch: int) -> int:
-        """Samples of the epoch's global order trained; `samples_per_batch`: batch_size x world_size."""
-        return self.epoch_start + self.batch_in_epoch * samples_per_batch
+    def samples_in_epoch(self, samples_per_batch: int, train_size: int) -> int:
+        """Samples of the epoch's global order trained; `samples_per_batch`: batch_size x world_size.
+        The epoch's last batch may be partial, or pad the ranks' shares: once it is trained, all
+        `train_size` are, not a full batch more."""
+        return min(self.epoch_start + self.batch_in_epoch * samples_per_batch, train_size)
 
 
 def checkpoint_state(model: nn.Module, optimizer, update_state: dict[str, Any], position: Position, samples_per_batch: int,
-                     rank_states: list[dict[str, Any]], config: dict) -> dict[str, Any]:
+                     train_size: int, rank_states: list[dict[str, Any]], config: dict) -> dict[str, Any]:
     """Everything a resume needs, as plain containers and CPU tensors: it loads with weights_only=True
     on any host, GPUs or not (optimizer.load_state_dict moves the state back to the parameters' device).
     `update_state`: the scheduler, GradScaler and EMA states (None where off)."""
@@ -48,7 +50,7 @@ def checkpoint_state(model: nn.Module, optimizer, update_state: dict[str, Any], 
         "optimizer": to_cpu(optimizer.state_dict()),
         **to_cpu(update_state),
         "epoch": position.epoch,
-        "samples_in_epoch": position.samples_in_epoch(samples_per_batch),  # what a resume reads
+        "samples_in_epoch": position.samples_in_epoch(samples_per_batch, train_size),  # what a resume reads
         "batch_in_epoch": position.batch_in_epoch,  # at this world size, for reading
         "global_step": position.global_step,
         "tensorboard_step": position.global_step,
@@ -69,13 +71,14 @@ def to_cpu(state: Any) -> Any:
     return state
 
 
-def resume_position(path: Path, checkpoint: dict[str, Any], batch_size: int, world_size: int,
-                    rank: int) -> tuple[Position, dict[str, Any] | None]:
+def resume_position(path: Path, checkpoint: dict[str, Any], batch_size: int, world_size: int, rank: int,
+                    train_size: int) -> tuple[Position, dict[str, Any] | None]:
     """Where to continue, and this rank's state to restore (None if the world size changed)."""
     saved_world_size = checkpoint["world_size"]
     # checkpoints from before samples_in_epoch: their batches were all full, on every rank
     samples = checkpoint.get("samples_in_epoch",
                              checkpoint["batch_in_epoch"] * checkpoint["config"]["data"]["batch_size"] * saved_world_size)
+    samples = min(samples, train_size)  # older checkpoints counted an epoch's partial last batch as full
     start, skip = resume_point(samples, batch_size, world_size)
     position = Position(checkpoint["epoch"], skip, checkpoint["global_step"], start)
     rank_state = None

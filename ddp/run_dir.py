@@ -12,6 +12,7 @@ torchrun restart gets it again. While a run is alive its main process holds a lo
 import contextlib
 import fcntl
 import functools
+import json
 import logging
 import os
 import shutil
@@ -39,7 +40,6 @@ log = logging.getLogger(__name__)
 OUTPUTS = Path("outputs")
 CLAIMS = OUTPUTS / ".launches"  # per launch without torchrun's shared store: what its ranks agreed on
 TIME_FORMAT = "%Y-%m-%d_%H-%M-%S"
-STALE_CLAIM_S = 24 * 3600
 RESTART_LOCK_WAIT_S = 60.0  # a restarted rank 0 waits this long for the previous attempt's lock
 MAX_JOB_DIR_NAME = 120
 SWEPT_KEYS_ENV = "HYDRA_DDP_SWEPT_KEYS"
@@ -67,12 +67,45 @@ def _agent_store() -> TCPStore | None:
 
 
 def _claims_dir() -> Path:
+    """The launch's claim files, and before any of them a record of this process's torchrun agent
+    (its parent), which lives as long as the launch: restarts included."""
     run_id = _run_id()
     if run_id == "none":
         _error("torchrun gave this launch no id (--rdzv-id defaults to none with --rdzv-endpoint) and "
                "TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1 disables its shared store, so the ranks can't agree on a run dir: "
                "pass --rdzv-id=<unique id> to torchrun, or set hydra.run.dir explicitly")
+    agent = _process_record(os.getppid())
+    _write_atomically(CLAIMS / run_id / "agents" / f"{agent['pid']}@{agent['host']}", json.dumps(agent))
     return CLAIMS / run_id
+
+
+def _process_record(pid: int) -> dict:
+    """What identifies a process across pid reuse and reboots: host, boot, pid and start time."""
+    return {"host": socket.gethostname(), "boot_id": _boot_id(), "pid": pid, "started": _start_ticks(pid)}
+
+
+def _boot_id() -> str | None:
+    try:
+        return Path("/proc/sys/kernel/random/boot_id").read_text().strip()
+    except OSError:
+        return None  # not Linux: no process can be proven gone
+
+
+def _start_ticks(pid: int) -> int | None:
+    """The process's start time in clock ticks since boot (/proc/<pid>/stat, field 22), None if it is gone."""
+    try:
+        stat = Path(f"/proc/{pid}/stat").read_text()
+    except OSError:
+        return None
+    return int(stat.rsplit(")", 1)[1].split()[19])  # the fields after the name, which may hold spaces
+
+
+def _provably_gone(record: dict) -> bool:
+    """The process `record` names has ended: it ran on this host, and this host rebooted since, or
+    no process with its pid and start time runs now. Unknowable for another host."""
+    if record["host"] != socket.gethostname() or record["boot_id"] is None or _boot_id() is None:
+        return False
+    return record["boot_id"] != _boot_id() or _start_ticks(record["pid"]) != record["started"]
 
 
 def agreed(key: str, compute: Callable[[], str]) -> str:
@@ -136,20 +169,22 @@ def release_claims() -> None:
             CLAIMS.rmdir()  # only if no other launch has claims there
 
 
-def _prune_stale_claims() -> None:
-    """Claims of launches that failed for good (so never released) and are over a day old, unless a
-    live run still holds their dir."""
+def _prune_dead_claims() -> None:
+    """Claims of launches that failed for good (so never released): those whose torchrun agents have
+    all provably ended, unless a live run still holds their dir. Never by age alone: a restart of a
+    days-old run, between its old rank 0's death and its new one's lock, still needs its claim."""
     if not CLAIMS.is_dir():
         return
     for claim in CLAIMS.iterdir():
         try:
-            if time.time() - claim.stat().st_mtime < STALE_CLAIM_S:
+            agents = [json.loads(p.read_text()) for p in (claim / "agents").iterdir() if not p.name.startswith(".")]
+            if not agents or not all(_provably_gone(agent) for agent in agents):
                 continue
             dirs = [Path(p.read_text()) for p in claim.iterdir() if p.name in ("run_dir", "sweep_dir")]
             if not any(_holder(d) for d in dirs):
                 shutil.rmtree(claim, ignore_errors=True)
-        except OSError:
-            continue  # another launch pruned it first
+        except (OSError, ValueError):
+            continue  # being written, or another launch pruned it first
 
 
 # --- a dir nobody else has ----------------------------------------------------------------------
@@ -170,7 +205,7 @@ def claim_unique_dir(parent: Path, name: str) -> Path:
 @functools.cache  # Hydra resolves the dir several times; the launch claims it once
 def _claimed(key: str, parent: Path) -> str:
     def claim() -> str:
-        _prune_stale_claims()
+        _prune_dead_claims()
         return str(claim_unique_dir(parent, datetime.now().strftime(TIME_FORMAT)))
     return agreed(key, claim)
 

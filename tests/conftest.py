@@ -82,12 +82,13 @@ def ddp_run(tmp_path_factory):
 def plain_ddp_run(tmp_path_factory):
     """2 ranks without SyncBN, so each rank's BatchNorm statistics drift apart; train.py runs under
     tests/workers/instrumented_train.py, which records every collective and host read per step and
-    each rank's final weights in watch/. Logs every 4 steps; 8 steps per epoch, 2 epochs. Rank 1 is a
-    straggler: its every forward takes 100 ms longer (fault.slow_rank)."""
+    each rank's final weights in watch/. Logs every 4 steps; 8 steps per epoch, 2 epochs. fp16 with
+    its GradScaler, clipping and EMA are on. Rank 1 is a straggler: its every forward takes 100 ms
+    longer (fault.slow_rank)."""
     cwd = tmp_path_factory.mktemp("plain_ddp")
     (cwd / "watch").mkdir()
     result = launch(["strategy=ddp", *TINY, "model.dropout=0.2", "trainer.log_every_n_steps=4", "checkpoint.every_n_steps=0",
-                     "fault.slow_rank=1", "fault.slow_ms=100"],
+                     "precision=16", "trainer.gradient_clip_norm=0.5", "ema.decay=0.9", "fault.slow_rank=1", "fault.slow_ms=100"],
                     cwd, nproc=2, env={"WATCH_DIR": str(cwd / "watch")}, script=REPO / "tests" / "workers" / "instrumented_train.py")
     check(result)
     return cwd, result

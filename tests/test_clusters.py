@@ -247,3 +247,30 @@ def test_a_requeued_submitit_job_saves_on_the_signal_and_resumes_bit_identically
     assert f"resumed from {job_dir / 'checkpoints' / 'last.pt'} at epoch {step // 8}, batch {step % 8}, step {step}" in rank0
     assert json.loads((job_dir / "results.json").read_text())["steps"] == 16
     assert_same_weights(final_weights(job_dir), one_node)
+
+
+def test_a_requeue_signal_during_a_long_validation_still_requeues_the_job(one_node, tmp_path):
+    """USR2 while every rank validates for longer than trainer.stop_deadline_s (fault.slow_val_ms): no
+    check step comes in time, so the ranks exit without a new checkpoint, yet submitit requeues the
+    job, which resumes from its last periodic checkpoint and finishes as if never stopped."""
+    slower = ["checkpoint.every_n_steps=4", "fault.slow_val_ms=800", "trainer.stop_deadline_s=0.5"]
+    sweep = subprocess.Popen([sys.executable, str(TRAIN), *SUBMITIT_LOCAL, *DDP_RUN, *slower], cwd=tmp_path, env=launch_env(),
+                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True)
+    deadline = time.monotonic() + 120
+    while not any("fault.slow_val_ms" in log.read_text() for log in tmp_path.glob("outputs/multirun/*/0_*/train_rank0.log")):
+        assert sweep.poll() is None and time.monotonic() < deadline, "no validation"
+        time.sleep(0.02)
+    tasks = _tasks_of(sweep.pid)
+    assert len(tasks) == 2
+    for pid in tasks:
+        os.kill(pid, signal.SIGUSR2)
+    output, _ = sweep.communicate(timeout=240)
+    assert sweep.returncode == 0, output[-6000:]
+
+    job_dir = the_job_dir(tmp_path)
+    rank0 = (job_dir / "train_rank0.log").read_text()
+    assert "SIGUSR2: no step boundary within 0.5 s, exiting without a checkpoint; submitit requeues the job" in rank0, rank0[-3000:]
+    assert "stopped by SIGUSR2" not in rank0
+    assert f"resumed from {job_dir / 'checkpoints' / 'last.pt'} at epoch 0, batch 4, step 4" in rank0
+    assert json.loads((job_dir / "results.json").read_text())["steps"] == 16
+    assert_same_weights(final_weights(job_dir), one_node)

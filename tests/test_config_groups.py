@@ -48,11 +48,11 @@ DEFAULT_KEYS = {
     "trainer.max_epochs", "trainer.max_steps", "trainer.accumulate_grad_batches", "trainer.global_batch_size",
     "trainer.gradient_clip_norm",
     "trainer.label_smoothing",
-    "trainer.log_every_n_steps", "trainer.val_every_n_epochs",
+    "trainer.log_every_n_steps", "trainer.stop_deadline_s", "trainer.val_every_n_epochs",
     "trainer.limit_train_batches", "trainer.limit_val_batches", "trainer.warmup_steps",
     "checkpoint.every_n_steps", "checkpoint.keep_last",
     "fault.kill_rank", "fault.raise_rank", "fault.stall_rank", "fault.at_step", "fault.every_attempt",
-    "fault.record_samples_dir", "fault.slow_rank", "fault.slow_ms",
+    "fault.record_samples_dir", "fault.slow_rank", "fault.slow_ms", "fault.slow_val_ms",
     "ema.decay", "devices", "backend", "syncbn", "deterministic", "precision", "channels_last", "compile", "compile_mode", "seed", "mode", "resume",
 }
 

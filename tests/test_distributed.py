@@ -61,19 +61,26 @@ def test_reported_metrics_are_those_of_the_saved_model(plain_ddp_run):
 
 def test_no_collective_or_host_read_on_steps_that_do_not_log(plain_ddp_run):
     """The CPU must be able to queue step k+1 while the device runs step k: between two optimizer
-    steps that neither log, end an epoch nor save, train.py does no collective and no .item()/.tolist()
-    (DDP's own gradient all_reduce runs in C++, outside what is counted). On log steps the ranks agree
-    on SIGTERM, so collectives show up there."""
+    steps that neither log, end an epoch nor save, train.py does no collective and reads no tensor
+    back to the host, with fp16, clipping and EMA on (DDP's own gradient all_reduce runs in C++,
+    outside what is counted). The one read there is torch's own: GradScaler.step reads whether the
+    gradients were finite, once per update. On log steps the ranks agree on SIGTERM, so collectives
+    show up there."""
     cwd, _ = plain_ddp_run
+    assert load_last(cwd)["scaler"]["scale"] == 2.0**16  # no update skipped: optimizer steps number the updates
+    quiet_steps = [step for step in range(1, 16) if step % 4 and step != 8]
     for rank in (0, 1):
         events = json.loads((cwd / "watch" / f"syncs_rank{rank}.json").read_text())
         by_step: dict[int, list[str]] = {}
         for step, name in events:
             by_step.setdefault(step, []).append(name)
-        quiet_steps = [step for step in range(1, 16) if step % 4 and step != 8]
-        assert {step: by_step[step] for step in quiet_steps if step in by_step} == {}, rank
+        # no collective, no .tolist(), and one .item(): GradScaler's, as the host reads below show
+        assert {step: by_step.get(step) for step in quiet_steps} == {step: ["item"] for step in quiet_steps}, rank
         for log_step in (4, 12):
             assert "all_reduce" in by_step[log_step] and "item" in by_step[log_step], (rank, by_step.get(log_step))
+        host_reads = json.loads((cwd / "watch" / f"host_reads_rank{rank}.json").read_text())
+        quiet_reads = [(step, kind, where.split(":")[0]) for step, kind, where in host_reads if step in quiet_steps]
+        assert quiet_reads == [(step, "_local_scalar_dense", "torch/amp/grad_scaler.py") for step in quiet_steps], rank
 
 
 def test_one_run_dir_one_hydra_dir_rank_zero_events_and_a_log_per_rank(ddp_run):

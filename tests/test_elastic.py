@@ -15,8 +15,9 @@ from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
+import torch
 
-from conftest import TINY, TORCHRUN, TRAIN, free_port, run_dirs
+from conftest import TINY, TORCHRUN, TRAIN, check, free_port, launch, run_dirs
 from train import TrainingLength
 
 # 96 samples, batch 4: 2 ranks take 12 steps per epoch; one process accumulates 2 batches per step.
@@ -124,3 +125,44 @@ def test_losing_a_node_mid_epoch_the_survivor_trains_every_sample_once(tmp_path)
     assert sorted(last) == list(range(SAMPLES))
     assert wall_s < TIMEOUT_S
     print(f"elastic scale-down: {wall_s:.1f} s")
+
+
+def test_stopped_at_an_epochs_partial_last_batch_two_ranks_resume_in_one_process(tmp_path):
+    """100 samples on 2 ranks x batch 8: 7 steps an epoch, the last of 2 samples per rank. Stopped at
+    epoch 0's end (ranks agree on a SIGTERM only at log steps, here none, and at an epoch's end), the
+    run dir resumes in one process: at that end, with 100 samples of the epoch trained, not 7 x 16."""
+    args = [*TINY, "data.num_samples=100", "data.batch_size=8", "trainer.log_every_n_steps=100", "checkpoint.every_n_steps=0",
+            "hydra.run.dir=outputs/run"]
+    run_dir, samples = tmp_path / "outputs" / "run", tmp_path / "samples"
+    command = [str(TORCHRUN), "--nproc_per_node=2", str(TRAIN), "strategy=ddp", *args, "fault.record_samples_dir=samples",
+               "fault.slow_rank=0", "fault.slow_ms=400"]  # epoch 0 lasts 7 x 0.4 s: the signal lands inside it
+    env = {k: v for k, v in os.environ.items() if k not in ("RANK", "LOCAL_RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")}
+    with open(tmp_path / "ddp.out", "w") as out:
+        process = subprocess.Popen(command, cwd=tmp_path, env=env | {"PYTHONUNBUFFERED": "1", "TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1"},
+                                   stdout=out, stderr=subprocess.STDOUT, start_new_session=True)
+    try:
+        deadline = time.monotonic() + 90
+        while not (samples / "rank0_attempt0.jsonl").exists():  # written as rank 0 starts its first batch
+            assert process.poll() is None and time.monotonic() < deadline, (tmp_path / "ddp.out").read_text()[-6000:]
+            time.sleep(0.05)
+        process.send_signal(signal.SIGTERM)
+        returncode = process.wait(timeout=60)
+    finally:
+        if process.poll() is None:
+            os.killpg(process.pid, signal.SIGKILL)
+            process.wait()
+    assert returncode != 0, (tmp_path / "ddp.out").read_text()[-6000:]
+    checkpoint = torch.load(run_dir / "checkpoints" / "last.pt", weights_only=True)
+    assert (checkpoint["epoch"], checkpoint["batch_in_epoch"], checkpoint["global_step"]) == (0, 7, 7)
+    assert checkpoint["samples_in_epoch"] == 100
+
+    result = launch(["strategy=single", *args, "trainer.max_epochs=2", "resume=outputs/run", "fault.record_samples_dir=resumed"],
+                    tmp_path)
+    check(result)
+    assert "at epoch 0, batch 12, step 7 (100 samples of the epoch trained)" in result.stdout, result.stdout[-4000:]
+    before, after = records(samples, attempt=0), records(tmp_path / "resumed", attempt=0)
+    assert sorted(i for r in before for i in r["ids"]) == list(range(100))  # all of epoch 0, none of epoch 1
+    assert {r["epoch"] for r in before} == {0} and {r["epoch"] for r in after} == {1}
+    assert sorted(i for r in after for i in r["ids"]) == list(range(100))
+    results = json.loads((run_dir / "results.json").read_text())
+    assert (results["epochs"], results["steps"]) == (2, 7 + 13)

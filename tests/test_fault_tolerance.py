@@ -593,3 +593,20 @@ def test_extending_a_two_rank_max_steps_run_is_bit_identical(reference, tmp_path
     assert last_checkpoint(tmp_path / "outputs" / "run")["batch_in_epoch"] == 3
     check(torchrun([*EXACT, pinned, "resume=outputs/run"], tmp_path))
     assert_bit_identical(last_checkpoint(tmp_path / "outputs" / "run"), reference[1])
+
+
+def test_extending_a_max_steps_run_is_bit_identical_with_augmentation_in_the_main_process(tmp_path):
+    """Without loader workers the augmentation draws from the global RNG as each batch loads: the
+    run stopped by max_steps must load no batch past its last update, or its checkpoint holds the RNG
+    after a draw that the run never trained on, and the extended run draws differently."""
+    args = [arg for arg in EXTEND if not arg.startswith("data.num_workers=")] + ["data.num_workers=0"]
+    extended = tmp_path / "extended"
+    extended.mkdir()
+    check(launch([*args, "trainer.max_steps=5", "hydra.run.dir=outputs/run"], extended))
+    result = launch([*args, "trainer.max_steps=10", "hydra.run.dir=outputs/run", "resume=outputs/run"], extended)
+    check(result)
+    assert "at epoch 0, batch 5, step 5" in result.stdout, output(result)
+    straight = tmp_path / "straight"
+    straight.mkdir()
+    check(launch([*args, "trainer.max_steps=10"], straight))
+    assert_bit_identical(last_checkpoint(extended / "outputs" / "run"), last_checkpoint(the_run_dir(straight)))

@@ -2,6 +2,7 @@
 launcher. The first one saves at the next step and prints how to continue; the second exits at once.
 (SIGTERM to plain python: tests/test_run_dirs.py; to torchrun: tests/test_fault_tolerance.py.)"""
 
+import contextlib
 import csv
 import os
 import re
@@ -149,3 +150,45 @@ def test_ctrl_c_in_a_sweep_marks_the_job_interrupted_and_starts_no_other(tmp_pat
     assert (row["job"], row["status"]) == ("0", "interrupted")
     assert "sweep summary" in stdout and "interrupted" in stdout
     assert last_checkpoint(job_dir(sweep, 0))["global_step"] > 0
+
+
+def _gone(pid: int) -> bool:
+    """The process has exited (a zombie its parent hasn't reaped yet counts as gone)."""
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] == "Z"
+    except FileNotFoundError:
+        return True
+
+
+def test_sigterm_to_a_rank_blocked_in_a_collective_exits_within_the_stop_deadline(tmp_path):
+    """Rank 1 stalls after step 3 (fault.stall_rank), so rank 0 waits in step 4's gradient all_reduce,
+    where Python runs no signal handler until the collective returns (here: strategy.timeout_s).
+    SIGTERM to rank 0 alone: it exits 143 within trainer.stop_deadline_s, without a checkpoint."""
+    deadline_s = 2
+    command = [*LAUNCHERS["torchrun"], *TINY, "trainer.max_epochs=100000", "fault.stall_rank=1", "fault.at_step=3",
+               f"trainer.stop_deadline_s={deadline_s}", "strategy.timeout_s=120"]
+    process = start(command, tmp_path)
+    workers = []
+    try:
+        deadline = time.monotonic() + 120
+        while not any("stalling at step 3" in log.read_text() for log in tmp_path.glob("outputs/*/train_rank1.log")):
+            assert process.poll() is None and time.monotonic() < deadline, (tmp_path / "stderr.txt").read_text()[-3000:]
+            time.sleep(0.05)
+        (run_dir,) = run_dirs(tmp_path)
+        workers = [int(pid) for pid in Path(f"/proc/{process.pid}/task/{process.pid}/children").read_text().split()]
+        rank0 = int(re.match(r"pid (\d+)", (run_dir / ".lock").read_text())[1])
+        sent = time.monotonic()
+        os.kill(rank0, signal.SIGTERM)
+        while not _gone(rank0) and time.monotonic() - sent < deadline_s + 10:
+            time.sleep(0.01)
+        took = time.monotonic() - sent
+        assert deadline_s <= took < deadline_s + 3, f"rank 0 exited {took:.1f} s after its SIGTERM"
+        log = (run_dir / "train_rank0.log").read_text()
+        assert f"SIGTERM: no step boundary within {deadline_s} s, exiting without a checkpoint" in log, log[-3000:]
+        assert not (run_dir / "checkpoints").exists() or not list((run_dir / "checkpoints").glob("*.pt"))
+    finally:
+        for pid in workers:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGKILL)
+        _, _, stderr = finish(process, tmp_path)
+    assert f"exitcode  : 143 (pid: {rank0})" in stderr, stderr[-3000:]

@@ -1,12 +1,16 @@
 """Sampling: every sample seen once per epoch in training, exactly once in evaluation, and fresh orders per epoch."""
 
 from collections import Counter
+from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 import torch
+from torch import nn
 from torch.utils.data import DistributedSampler, TensorDataset
 
 from ddp.env import DistEnv
+from ids_and_noise import IdsAndNoise
 from ddp.loaders import (
     build_train_loader,
     build_val_loader,
@@ -17,6 +21,9 @@ from ddp.loaders import (
     shard_indices,
     start_epoch,
 )
+from ddp.resume import Position, capture_rank_state, checkpoint_state, resume_position
+from ddp.update import UpdateStep
+from train import TrainingLength, train_one_epoch
 
 
 class LoaderConfig:
@@ -126,8 +133,134 @@ def test_resume_at_another_world_size_trains_each_sample_once(size, world_size, 
     assert sum(counts.values()) - size == padding
 
 
-def test_resume_at_the_same_world_size_skips_whole_batches():
-    """At an unchanged world size the epoch starts at sample 0 and the trained batches are loaded and
-    dropped (bit-identical resume), whatever the position."""
-    assert resume_point(5 * 4 * 2, batch_size=4, world_size=2) == (0, 5)
-    assert resume_point(5 * 4 * 2, batch_size=4, world_size=3) == (4, 3)
+class Stopped(Exception):
+    """The stop of a run at an update (a signal's, agreed by the ranks): the loop saves and exits there."""
+
+
+def train_epoch_part(size: int, world_size: int, accumulate: int, checkpoint: dict | None,
+                     stop_at_step: int | None) -> tuple[list[list[int]], dict, bool]:
+    """Every rank of a run at `world_size` trains epoch EPOCH as train.py's `fit` does: from the start,
+    or from `checkpoint`'s position (`resume_position`), through the real `train_one_epoch` with a real
+    update, until it stops right after update `stop_at_step` (None: never). Returns the sample ids each
+    rank trained, the checkpoint its stop (or the epoch's end) saves, and whether the epoch ended."""
+    length = TrainingLength.of(SimpleNamespace(limit_train_batches=-1, accumulate_grad_batches=accumulate,
+                                               global_batch_size=None, max_epochs=1, max_steps=-1),
+                               size, LoaderConfig.batch_size, world_size)
+    dataset = TensorDataset(torch.arange(size, dtype=torch.float32).unsqueeze(1), torch.zeros(size, dtype=torch.long))
+    trained_ids, ended, rank_states = [], [], []
+    for rank in range(world_size):
+        if checkpoint is None:
+            position = Position(epoch=EPOCH)
+        else:
+            position, _ = resume_position(Path("last.pt"), checkpoint, LoaderConfig.batch_size, world_size, rank, size)
+        ids = []
+        model = nn.Linear(1, 2)
+        model.register_forward_pre_hook(lambda module, args, ids=ids: ids.extend(args[0][:, 0].long().tolist()))
+        optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+        update = UpdateStep(model, optimizer, device=torch.device("cpu"), precision="32")
+        loader = build_train_loader(dataset, LoaderConfig, DistEnv(rank=rank, world_size=world_size), 0, False)
+        # fit's epoch, as it starts one and tells when it has ended
+        start_epoch(loader, position.epoch, 0, rank, position.epoch_start)
+        epoch_batches = min(len(loader), length.batches_per_epoch)
+        batches = iterate_from(loader, position.batch_in_epoch, epoch_batches)
+
+        def after_update(global_samples: int, epoch_ends: bool, position=position) -> None:
+            if position.global_step == stop_at_step:
+                raise Stopped
+
+        try:
+            train_one_epoch(update, batches, epoch_batches, position, length, 10**9, world_size, None, after_update)
+        except Stopped:
+            pass
+        trained_ids.append(ids)
+        ended.append(position.batch_in_epoch >= epoch_batches)
+        rank_states.append(capture_rank_state(loader.generator, position.epoch_totals, []))
+    assert len(set(ended)) == 1 and len({len(ids) for ids in trained_ids}) == 1  # the ranks in step
+    saved = checkpoint_state(model, optimizer, update.state_dict(), position, length.samples_per_batch, size, rank_states,
+                             {"data": {"batch_size": LoaderConfig.batch_size}})
+    return trained_ids, saved, ended[0]
+
+
+EPOCH = 1
+
+
+@pytest.fixture
+def one_thread():
+    """Updates of a 3-parameter model: a busy machine's second core would only make every op wait."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
+@pytest.mark.usefixtures("one_thread")
+@pytest.mark.parametrize("world_size", [1, 2, 3])
+@pytest.mark.parametrize("new_world_size", [1, 2, 3])
+def test_a_stop_anywhere_resumes_at_any_world_size_and_trains_each_sample_once(world_size, new_world_size):
+    """A run at `world_size` stops after each of its updates in turn: mid-epoch, at the epoch's end
+    with full batches (24 samples in batches of 4) or a partial last batch (25, 30: also padded shares),
+    after a group of 2 micro-batches or after the epoch's last group, cut short. It resumes at
+    `new_world_size`, and finishes the epoch there, or stops again after its first update (which,
+    resumed inside a group, the resume cuts short) and finishes at each world size. No resume fails,
+    and the epoch trains every sample once, plus the repeats DistributedSampler pads equal shares
+    with where the epoch ends."""
+
+    def finish(parts: list[tuple[list[list[int]], int, int, bool]]) -> None:
+        counts = Counter(i for ids, _, _, _ in parts for rank_ids in ids for i in rank_ids)
+        assert sorted(counts) == list(range(size)), parts
+        # (ids per rank, world size, samples trained before, epoch ended): the part that ends the
+        # epoch trains its padding; a stopped one trains a prefix of the epoch's order, no repeats
+        padding = sum(-(size - before) % world for _, world, before, ended in parts if ended)
+        assert sum(counts.values()) - size == padding, parts
+        assert parts[-1][3], "the epoch did not end"
+
+    for size in (24, 25, 30):
+        for accumulate in (1, 2):
+            for stop in range(1, 100):
+                first, checkpoint, ended = train_epoch_part(size, world_size, accumulate, None, stop)
+                if ended and checkpoint["global_step"] < stop:
+                    break  # the epoch has fewer updates than `stop`
+                parts = [(first, world_size, 0, ended)]
+                second = train_epoch_part(size, new_world_size, accumulate, checkpoint, None)
+                finish([*parts, (second[0], new_world_size, checkpoint["samples_in_epoch"], second[2])])
+                if ended:
+                    continue
+                second, again, second_ended = train_epoch_part(size, new_world_size, accumulate, checkpoint,
+                                                               checkpoint["global_step"] + 1)
+                parts.append((second, new_world_size, checkpoint["samples_in_epoch"], second_ended))
+                for last_world_size in (1, 2, 3):
+                    third = train_epoch_part(size, last_world_size, accumulate, again, None)
+                    finish([*parts, (third[0], last_world_size, again["samples_in_epoch"], third[2])])
+
+
+@pytest.mark.parametrize("stop", [4, 7], ids=["mid_epoch", "epoch_end_partial_batch"])
+def test_resume_at_the_same_world_size_loads_the_rest_of_the_epoch_as_the_uninterrupted_run(stop):
+    """Rank 1 of 2, 2 workers, 25 samples in 7 batches of 4 (the last of 1). A checkpoint after `stop`
+    batches, resumed at the same world size as train.py resumes it (`resume_position`, then the
+    epoch's loader), yields the uninterrupted epoch's batches from `stop` on: the same indices, ids
+    and workers' random draws, which only loading and dropping the trained batches from sample 0
+    gives. It restores the rank's RNG state too (a resume at another world size can't)."""
+    world_size, rank, batch_size, size = 2, 1, LoaderConfig.batch_size, len(IdsAndNoise())
+    data_cfg = SimpleNamespace(batch_size=batch_size, num_workers=2)
+
+    def epoch_loader(start: int = 0):
+        loader = build_train_loader(IdsAndNoise(), data_cfg, DistEnv(rank=rank, world_size=world_size), 0, False)
+        start_epoch(loader, EPOCH, 0, rank, start)
+        return loader
+
+    full = list(epoch_loader())
+    assert len(full) == 7 and len(full[-1][0]) == 1
+    model = nn.Linear(1, 1)
+    states = [capture_rank_state(torch.Generator(), torch.tensor([float(r), 1.0], dtype=torch.float64), []) for r in range(world_size)]
+    checkpoint = checkpoint_state(model, torch.optim.SGD(model.parameters(), lr=0.1), {},
+                                  Position(epoch=EPOCH, batch_in_epoch=stop, global_step=stop), batch_size * world_size, size,
+                                  states, {"data": {"batch_size": batch_size}})
+    position, rank_state = resume_position(Path("last.pt"), checkpoint, batch_size, world_size, rank, size)
+    assert rank_state is states[rank] and position.epoch_totals.tolist() == [1.0, 1.0]
+    loader = epoch_loader(position.epoch_start)
+    epoch_batches = min(len(loader), len(full))
+    resumed = list(iterate_from(loader, position.batch_in_epoch, epoch_batches))
+    assert [index for index, _ in resumed] == list(range(stop, len(full)))
+    for (index, (ids, noise)) in resumed:
+        assert torch.equal(ids, full[index][0]) and torch.equal(noise, full[index][1]), index
+    assert position.batch_in_epoch + len(resumed) == epoch_batches  # the loop then ends the epoch

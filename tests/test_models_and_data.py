@@ -322,7 +322,7 @@ EVAL = ["mode=eval", *[arg for arg in TINY if arg.startswith("data")]]
 
 @pytest.fixture(scope="module")
 def evaluated(plain_ddp_run, tmp_path_factory):
-    """plain_ddp_run's checkpoint (2-rank DDP, no SyncBN) evaluated by 1 process and by 3 ranks."""
+    """plain_ddp_run's checkpoint (2-rank DDP, no SyncBN, with EMA) evaluated by 1 process and by 3 ranks."""
     cwd, _ = plain_ddp_run
     (trained,) = run_dirs(cwd)
     checkpoint_mtime = (trained / "checkpoints" / "last.pt").stat().st_mtime_ns
@@ -342,8 +342,10 @@ def test_eval_of_a_checkpoint_is_exact_for_any_world_size_and_matches_training(e
     assert (single["world_size"], three_ranks["world_size"]) == (1, 3)
     assert single["val_samples"] == three_ranks["val_samples"] == training["val_samples"] == 37
     assert single["val_accuracy"] == three_ranks["val_accuracy"] == training["val_accuracy"]
+    assert single["val_ema_accuracy"] == three_ranks["val_ema_accuracy"] == training["val_ema_accuracy"]  # its EMA too
     for result in (single, three_ranks):  # float32 loss sums over other batch groupings
         assert result["val_loss"] == pytest.approx(training["val_loss"], rel=1e-6)
+        assert result["val_ema_loss"] == pytest.approx(training["val_ema_loss"], rel=1e-6)
         assert result["step"] == training["steps"] and result["checkpoint"].endswith("last.pt")
 
 

@@ -8,28 +8,37 @@ import sys
 
 import pytest
 import torch
+from omegaconf import OmegaConf
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+from tensorboard.plugins.hparams import plugin_data_pb2
 
 from conftest import REPO, TINY, TORCHRUN, TRAIN, check, launch, load_last, load_results, run_dirs, write_imagefolder
+from data import build_datasets
+from ddp.env import DistEnv
+from ddp.loaders import build_val_loader
+from ddp.update import build_ema
+from models import build_model
 from models.small_cnn import SmallCNN
+from train import evaluate
 from test_fault_tolerance import _clean_env, assert_bit_identical, assert_same_state, last_checkpoint
 from test_update import cosine_with_warmup
 
 # Everything on, under 2-rank DDP, on a folder of 4 x 32 training PNGs read by 2 workers per rank:
 # 8 micro-batches of 8 per rank and epoch, 2 per update: 4 updates per epoch, 8 in all; a checkpoint
-# and a log line every 2 updates.
+# and a log line every 2 updates. Clipping at 0.7 cuts the first updates' gradients (norms about 0.9).
 RECIPE = ["strategy=ddp", *[arg for arg in TINY if not arg.startswith("data")], "data=imagefolder", "data.image_size=8",
           "data.batch_size=8", "data.num_workers=2", "data.augment=randaugment", "data.random_erase=0.25",
           "data.mixup_alpha=0.2", "data.cutmix_alpha=1.0", "trainer.label_smoothing=0.1", "model.dropout=0.2", "precision=bf16",
-          "trainer.accumulate_grad_batches=2", "scheduler=cosine", "scheduler.warmup_steps=3", "trainer.gradient_clip_norm=1.0",
+          "trainer.accumulate_grad_batches=2", "scheduler=cosine", "scheduler.warmup_steps=3", "trainer.gradient_clip_norm=0.7",
           "ema.decay=0.9", "channels_last=true", "checkpoint.every_n_steps=2"]
 INSTRUMENTED = REPO / "tests" / "workers" / "instrumented_train.py"
 UPDATE_STATE_KEYS = ("scheduler", "scaler", "ema")
 
 
-def instrumented(args: list[str], cwd):
+def instrumented(args: list[str], cwd, env: dict | None = None, timeout: float = 180):
     (cwd / "watch").mkdir()
-    result = launch(args, cwd, nproc=2, env={"WATCH_DIR": str(cwd / "watch")}, script=INSTRUMENTED)
+    result = launch(args, cwd, nproc=2, env={"WATCH_DIR": str(cwd / "watch"), **(env or {})}, script=INSTRUMENTED,
+                    timeout=timeout)
     check(result)
     return cwd / "watch"
 
@@ -53,10 +62,34 @@ def test_everything_on_reports_the_recipe(recipe_run):
     results = load_results(recipe_run[0])
     assert (results["steps"], results["global_batch_size"], results["precision"]) == (8, 32, "bf16")
     assert results["val_samples"] == 36 and results["val_accuracy"] > 0.5  # 4 classes: it learns through the mixing
-    assert 0 <= results["val_ema_accuracy"] <= 1 and results["val_ema_loss"] > 0
     checkpoint = load_last(recipe_run[0])
     assert checkpoint["scheduler"]["last_epoch"] == 8 and int(checkpoint["ema"]["n_averaged"]) == 8
     assert checkpoint["scaler"] is None  # bf16 needs none
+
+
+def test_the_checkpointed_ema_is_the_one_reported_and_not_the_model(recipe_run):
+    """checkpoint["ema"], loaded into a model in one process, scores the run's val_ema_*; its weights
+    are an average, none equal to the model's."""
+    checkpoint, results = load_last(recipe_run[0]), load_results(recipe_run[0])
+    cfg = OmegaConf.create(checkpoint["config"])
+    cfg.data.num_workers = 0
+    splits = build_datasets(cfg.data)
+    model = build_model(cfg.model, splits.num_classes, splits.in_channels).to(memory_format=torch.channels_last)
+    ema = build_ema(model, cfg.ema.decay)
+    ema.load_state_dict(checkpoint["ema"])
+    metrics = evaluate(ema.module, build_val_loader(splits.val, cfg.data, DistEnv(), pin_memory=False), torch.device("cpu"), -1)
+    assert metrics["val_samples"] == results["val_samples"] == 36
+    assert metrics["val_accuracy"] == results["val_ema_accuracy"]
+    assert metrics["val_loss"] == pytest.approx(results["val_ema_loss"], rel=1e-6)  # float32 sums over other batch groupings
+    averaged = ema.module.state_dict()
+    for key, value in checkpoint["model"].items():
+        if value.is_floating_point():
+            assert not torch.equal(averaged[key], value), key
+
+
+# torchvision draws MixUp's and CutMix's parameters (and which of the two) from CPU tensors, and
+# F.one_hot checks its labels' range only off CUDA: on a GPU none of these reads waits for the device.
+CPU_ONLY_READS = "torchvision/transforms/v2/"
 
 
 def test_everything_on_still_does_no_collective_or_host_read_on_quiet_updates(recipe_run):
@@ -67,6 +100,26 @@ def test_everything_on_still_does_no_collective_or_host_read_on_quiet_updates(re
         quiet = [(step, name) for step, name in events if step in (1, 3, 5, 7)]
         assert quiet == [], (rank, quiet)
         assert any(step == 2 and name == "all_reduce" for step, name in events)
+        host_reads = json.loads((recipe_run[1] / f"host_reads_rank{rank}.json").read_text())
+        quiet_reads = [(step, kind, where) for step, kind, where in host_reads
+                       if step in (1, 3, 5, 7) and not where.startswith(CPU_ONLY_READS)]
+        assert quiet_reads == [], (rank, quiet_reads)
+
+
+def test_everything_on_trains_channels_last_in_bf16_with_clipped_gradients(recipe_run):
+    """Seen from outside train.py: every convolution in training gets a channels_last input and
+    computes in bfloat16; train/grad_norm (the norm before clipping) is logged, above clip_norm at
+    least once (so clipping had work to do), and every gradient the optimizer applied has a norm of
+    at most clip_norm."""
+    cwd, watch = recipe_run
+    accumulator = EventAccumulator(str(run_dirs(cwd)[0]))
+    accumulator.Reload()
+    logged = [(e.step, e.value) for e in accumulator.Scalars("train/grad_norm")]
+    assert [step for step, _ in logged] == [2, 4, 6, 8] and max(norm for _, norm in logged) > 0.7, logged
+    for rank in (0, 1):
+        assert json.loads((watch / f"convs_rank{rank}.json").read_text()) == [[True, "torch.bfloat16"]]
+        applied = json.loads((watch / f"applied_grad_norms_rank{rank}.json").read_text())
+        assert len(applied) == 8 and all(norm <= 0.7 * (1 + 1e-6) for norm in applied), applied
 
 
 def test_kill_and_resume_with_everything_on_is_bit_identical(recipe, recipe_run, tmp_path):
@@ -114,6 +167,25 @@ def test_logged_lr_is_the_schedule_step_for_step_across_a_resume_in_warmup(tmp_p
     assert [value for _, value in logged] == pytest.approx(expected, rel=1e-6)  # TensorBoard stores float32
 
 
+def test_a_resume_with_a_changed_lr_trains_at_it_and_reports_it(tmp_path):
+    """4 updates at optim.lr=0.05, then resumed with optim.lr=0.5 up to update 8: the optimizer trains
+    at 0.5 (not the checkpoint's 0.05), and train/lr (TensorBoard's reader), results.json, the hparams
+    and the optimizer's state in the final checkpoint all say so."""
+    args = ["strategy=single", *TINY, "trainer.log_every_n_steps=1"]
+    check(launch([*args, "trainer.max_steps=4"], tmp_path))
+    (run_dir,) = run_dirs(tmp_path)
+    check(launch([*args, "trainer.max_steps=8", "optim.lr=0.5", f"resume={run_dir}"], tmp_path))
+    accumulator = EventAccumulator(str(run_dir))
+    accumulator.Reload()
+    logged = [(e.step, e.value) for e in accumulator.Scalars("train/lr")]
+    assert logged == [(step, pytest.approx(0.05 if step <= 4 else 0.5)) for step in range(1, 9)]
+    assert load_results(tmp_path)["lr"] == 0.5
+    assert [group["lr"] for group in load_last(tmp_path)["optimizer"]["param_groups"]] == [0.5]
+    content = accumulator.PluginTagToContent("hparams")
+    start = plugin_data_pb2.HParamsPluginData.FromString(content["_hparams_/session_start_info"]).session_start_info
+    assert start.hparams["lr"].number_value == 0.5
+
+
 @pytest.mark.parametrize("precision", ["bf16", "16"])
 def test_mixed_precision_still_learns_digits_to_over_90_percent(precision, tmp_path):
     """The default data, with a narrower small_cnn, Adam and 4 epochs: CPU has no fast fp16 kernels,
@@ -140,9 +212,13 @@ def test_fp16_resumes_its_grad_scaler_exactly(tmp_path):
 
 
 def test_compiled_ddp_trains_and_saves_plain_keys(tmp_path):
-    result = launch(["strategy=ddp", *TINY, "compile=true", "trainer.max_epochs=1", "trainer.limit_train_batches=3",
-                     "trainer.limit_val_batches=2"], tmp_path, nproc=2, timeout=600)
-    check(result)
+    """Each rank compiled a graph (dynamo's counters), and the checkpoint holds the plain module's keys.
+    The watcher's dispatch mode is off: torch.compile compiles nothing under one."""
+    watch = instrumented(["strategy=ddp", *TINY, "compile=true", "trainer.max_epochs=1", "trainer.limit_train_batches=3",
+                          "trainer.limit_val_batches=2"], tmp_path, env={"WATCH_TENSORS": "0"}, timeout=600)
+    for rank in (0, 1):
+        dynamo = json.loads((watch / f"dynamo_rank{rank}.json").read_text())
+        assert dynamo["stats"].get("unique_graphs", 0) >= 1 and dynamo["frames"].get("ok", 0) >= 1, (rank, dynamo)
     state = load_last(tmp_path)["model"]
     assert not any("_orig_mod" in key for key in state), list(state)
     SmallCNN(num_classes=10, in_channels=3, channels=[8, 16]).load_state_dict(state, strict=True)

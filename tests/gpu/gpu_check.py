@@ -3,8 +3,10 @@
     make gpu-check                  # with the project's .venv
     make gpu-check PY=python3       # with any Python that has torch (2.11 or newer) and hydra-core
 
-Each check launches train.py for real (python or torchrun) in a scratch dir and prints one
-PASS/FAIL line with its figures; the exit status is 0 when all pass. Without a CUDA GPU it says so
+Each check launches train.py for real (python or torchrun) in a scratch dir, some under
+tests/gpu/watched_train.py, which watches the run from outside the product code (host syncs on quiet
+updates, convolution layouts and dtypes, no_sync, compiled graphs), and prints one PASS/FAIL line
+with its figures; the exit status is 0 when all pass. Without a CUDA GPU it says so
 and exits 0 without running anything. It uses at most one GPU (cuda:0): two ranks share it over
 gloo, and nccl runs at world size 1.
 """
@@ -24,22 +26,52 @@ TRAIN = REPO / "train.py"
 TORCHRUN = [sys.executable, "-m", "torch.distributed.run"]
 # Small and quick, with BatchNorm, dropout and random augmentation where a check needs them.
 TINY = ["data=synthetic", "data.num_samples=256", "data.num_val_samples=64", "data.image_size=16", "model.channels=[16,32]"]
+WATCHED = REPO / "tests" / "gpu" / "watched_train.py"
+# The CPU suite's mixed-precision recipe for digits (tests/test_recipes.py), above 0.9 in 4 epochs there.
+DIGITS_MIXED = ["strategy=single", "model.channels=[16,32]", "optim=adam", "optim.lr=0.01", "trainer.max_epochs=4",
+                "data.num_workers=2"]
+# Every recipe feature on, compiled, under DDP at world size 1 over nccl: 256 samples in micro-batches of 8,
+# 2 per update, so 16 updates per epoch and 32 in all. Updates 8, 16, 24 and 32 log (the throughput
+# clock's warm-up, which synchronises, ends at 8 too); 16 and 32 end an epoch and save. Every other
+# update is quiet: no log, no epoch end, no save.
+RECIPE = ["strategy=ddp", "backend=nccl", *TINY, "data.batch_size=8", "data.num_workers=2", "data.augment=true",
+          "data.mixup_alpha=0.2", "data.cutmix_alpha=1.0", "trainer.label_smoothing=0.1", "model.dropout=0.2",
+          "precision=bf16", "trainer.accumulate_grad_batches=2", "scheduler=cosine", "scheduler.warmup_steps=3",
+          "trainer.gradient_clip_norm=1.0", "ema.decay=0.9", "channels_last=true", "compile=true", "trainer.max_epochs=2",
+          "trainer.log_every_n_steps=8", "trainer.warmup_steps=8", "checkpoint.every_n_steps=16"]
+RECIPE_UPDATES = 32
+QUIET_UPDATES = [update for update in range(1, RECIPE_UPDATES + 1) if update % 8]
 
 
 def launch(args: list[str], cwd: Path, nproc: int | None = None, env: dict | None = None, max_restarts: int = 0,
-           timeout: float = 240) -> subprocess.CompletedProcess:
-    """train.py in `cwd` (made if needed) on cuda:0 only; under torchrun when `nproc` is given."""
+           timeout: float = 240, script: Path = TRAIN) -> subprocess.CompletedProcess:
+    """train.py (or `script`) in `cwd` (made if needed) on cuda:0 only; under torchrun when `nproc` is given."""
     cwd.mkdir(parents=True, exist_ok=True)
     if nproc is None:
-        command = [sys.executable, str(TRAIN), *args]
+        command = [sys.executable, str(script), *args]
     else:
-        command = [*TORCHRUN, f"--nproc_per_node={nproc}", f"--max-restarts={max_restarts}", str(TRAIN), *args]
+        command = [*TORCHRUN, f"--nproc_per_node={nproc}", f"--max-restarts={max_restarts}", str(script), *args]
     environment = os.environ | {"CUDA_VISIBLE_DEVICES": "0", "PYTHONUNBUFFERED": "1",
                                 "TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1"} | (env or {})
     result = subprocess.run(command, cwd=cwd, env=environment, capture_output=True, text=True, timeout=timeout)
     if result.returncode != 0:
         raise AssertionError(f"exit {result.returncode}: {' '.join(args)}\n{result.stdout[-3000:]}\n{result.stderr[-3000:]}")
     return result
+
+
+def watched(args: list[str], cwd: Path, nproc: int | None = None, env: dict | None = None) -> dict:
+    """`launch` under tests/gpu/watched_train.py; returns rank 0's watch report (its docstring says what it holds)."""
+    (cwd / "watch").mkdir(parents=True, exist_ok=True)
+    report = cwd / "watch" / "watch_rank0.json"
+    try:
+        launch(args, cwd, nproc=nproc, env={"WATCH_DIR": str(cwd / "watch"), **(env or {})}, script=WATCHED)
+    except AssertionError as failure:
+        if report.exists() and json.loads(report.read_text()).get("stopped_in_error_mode"):
+            quiet = json.loads(report.read_text())["error_mode_after"][-1]
+            raise AssertionError(f"a host sync between the optimizer steps of updates {quiet} and {quiet + 1} (sync "
+                                 f"debug mode 'error'; the traceback below shows where)\n{failure}") from None
+        raise
+    return json.loads(report.read_text())
 
 
 def run_dir(cwd: Path) -> Path:
@@ -77,6 +109,50 @@ def check_single_learns_digits(scratch: Path) -> str:
     assert found["val_accuracy"] > 0.9, found
     assert found["peak_memory_device"] == "cuda:0", found
     return f"val_accuracy={found['val_accuracy']:.4f} samples_per_s={found['samples_per_s']:.0f} (digits, pin_memory, 2 workers)"
+
+
+def check_fp16_learns_digits_with_channels_last_and_ema(scratch: Path) -> str:
+    """fp16 autocast through GradScaler("cuda"), channels_last and EMA on cuda:0, watched at the convolutions."""
+    cwd = scratch / "fp16"
+    watch = watched([*DIGITS_MIXED, "precision=16", "channels_last=true", "ema.decay=0.9"], cwd, env={"WATCH_CONVS": "1"})
+    found, scaler = results(cwd), last_checkpoint(cwd)["scaler"]
+    assert watch["convs"] == [{"device": "cuda:0", "channels_last": True, "output_dtype": "float16"}], watch["convs"]
+    assert found["val_accuracy"] > 0.9 and found["val_ema_accuracy"] > 0.9, found
+    assert found["val_ema_loss"] != found["val_loss"], "the EMA weights evaluate exactly as the model's"
+    assert scaler is not None and scaler["scale"] > 0, scaler
+    return (f"val_accuracy={found['val_accuracy']:.4f} val_ema_accuracy={found['val_ema_accuracy']:.4f}; training "
+            f"convolutions: channels_last input, float16 output on cuda:0; GradScaler scale {scaler['scale']:g}")
+
+
+def check_bf16_autocast_learns_digits(scratch: Path) -> str:
+    cwd = scratch / "bf16"
+    watch = watched([*DIGITS_MIXED, "precision=bf16"], cwd, env={"WATCH_CONVS": "1"})
+    found = results(cwd)
+    assert watch["convs"] == [{"device": "cuda:0", "channels_last": False, "output_dtype": "bfloat16"}], watch["convs"]
+    assert found["val_accuracy"] > 0.9, found
+    assert last_checkpoint(cwd)["scaler"] is None, "bf16 needs no GradScaler"
+    return f"val_accuracy={found['val_accuracy']:.4f}; training convolutions: bfloat16 output on cuda:0; no GradScaler"
+
+
+def check_every_recipe_feature_does_no_host_sync_on_quiet_updates(scratch: Path) -> str:
+    """RECIPE (compile, channels_last, EMA, bf16, accumulation, clipping, cosine, MixUp/CutMix, label
+    smoothing, dropout) under DDP at world size 1 over nccl, with torch.cuda.set_sync_debug_mode("error")
+    on from each quiet update's optimizer step to the next one: a host sync there fails the run.
+    (fp16's GradScaler.step reads its inf check every update, as the README says: bf16 here.)"""
+    cwd = scratch / "recipe"
+    watch = watched(RECIPE, cwd, nproc=1, env={"SYNC_ERROR_AFTER": ",".join(map(str, QUIET_UPDATES))})
+    found = results(cwd)
+    assert "backend=nccl" in (run_dir(cwd) / "train_rank0.log").read_text(), "process group was not nccl"
+    assert watch["probe_raised"] == {"item": True, "blocking_copy_to_gpu": True}, f"error mode did not raise: {watch['probe_raised']}"
+    assert watch["error_mode_after"] == QUIET_UPDATES, watch["error_mode_after"]
+    assert watch["no_sync_calls"] == RECIPE_UPDATES, f"no_sync entered {watch['no_sync_calls']} times, not once per update"
+    graphs = watch.get("dynamo", {}).get("stats", {}).get("unique_graphs", 0)
+    assert watch["ddp_wraps"] == ["OptimizedModule"] and graphs >= 1, (watch["ddp_wraps"], watch.get("dynamo"))
+    assert (found["steps"], found["accumulate_grad_batches"], found["global_batch_size"]) == (RECIPE_UPDATES, 2, 16), found
+    assert found["val_ema_loss"] != found["val_loss"] and found["replicas_identical"] is True, found
+    return (f"{len(QUIET_UPDATES)} quiet updates of {RECIPE_UPDATES} under sync debug mode 'error', none synced; "
+            f"DDP wrapped a compiled module ({graphs} graph(s)); no_sync once per update; "
+            f"val_accuracy={found['val_accuracy']:.4f} val_ema_accuracy={found['val_ema_accuracy']:.4f}")
 
 
 def check_nccl_world_size_1_with_torch_syncbn(scratch: Path) -> str:
@@ -139,6 +215,28 @@ def check_kill_and_resume_is_exact(scratch: Path) -> str:
     return "kill at step 7, resume from step 5: model, optimizer and every rank's CPU and CUDA RNG state bit-identical"
 
 
+def check_fp16_kill_and_resume_is_exact(scratch: Path) -> str:
+    """fp16 with accumulation, clipping, EMA, cosine and channels_last, under DDP at world size 1 over
+    nccl: the GradScaler, scheduler and EMA states come back with the checkpoint too."""
+    exact = ["strategy=ddp", "backend=nccl", *TINY, "data.num_samples=128", "data.batch_size=8", "model.dropout=0.3",
+             "data.augment=true", "data.num_workers=2", "precision=16", "trainer.accumulate_grad_batches=2",
+             "trainer.gradient_clip_norm=1.0", "ema.decay=0.9", "scheduler=cosine", "channels_last=true",
+             "trainer.max_epochs=2", "checkpoint.every_n_steps=5", "deterministic=true"]
+    launch(exact, scratch / "fp16_uninterrupted", nproc=1)
+    launch([*exact, "fault.kill_rank=0", "fault.at_step=7"], scratch / "fp16_killed", nproc=1, max_restarts=1)
+    killed, reference = last_checkpoint(scratch / "fp16_killed"), last_checkpoint(scratch / "fp16_uninterrupted")
+    log = (run_dir(scratch / "fp16_killed") / "train_rank0.log").read_text()
+    # 16 micro-batches of 8 per epoch, 2 per update: update 5 ends with batch 10
+    assert "resumed from" in log and "at epoch 0, batch 10, step 5" in log, "the restarted run did not resume from step 5"
+    compared = ("model", "optimizer", "scaler", "scheduler", "ema", "ranks", "global_step")
+    differences = tensor_differences({k: killed[k] for k in compared}, {k: reference[k] for k in compared})
+    assert not differences, f"{len(differences)} differ: " + "; ".join(differences[:8])
+    assert killed["scaler"] is not None and killed["ema"] is not None, "no GradScaler or EMA state was saved"
+    assert [len(rank["cuda_rng"]) for rank in killed["ranks"]] == [1], "the checkpoint holds no CUDA RNG state"
+    return ("fp16 kill at step 7, resume from step 5: model, optimizer, GradScaler, scheduler, EMA and the CPU "
+            "and CUDA RNG states bit-identical")
+
+
 def check_checkpoint_loads_on_a_cpu_only_host(scratch: Path) -> str:
     """The single run's checkpoint: its weights and SGD momentum buffers lived on cuda:0."""
     path = run_dir(scratch / "single") / "checkpoints" / "last.pt"
@@ -188,11 +286,15 @@ def check_devices_restrict_the_visible_gpus(scratch: Path) -> str:
 
 CHECKS = [
     check_single_learns_digits,
+    check_fp16_learns_digits_with_channels_last_and_ema,
+    check_bf16_autocast_learns_digits,
     check_nccl_world_size_1_with_torch_syncbn,
+    check_every_recipe_feature_does_no_host_sync_on_quiet_updates,
     check_two_ranks_share_the_gpu_and_match_one_process,
     check_a_slow_rank_shows_in_the_cuda_event_timing,
     check_dataparallel_on_one_gpu,
     check_kill_and_resume_is_exact,
+    check_fp16_kill_and_resume_is_exact,
     check_checkpoint_loads_on_a_cpu_only_host,
     check_peak_memory_resets_between_multirun_jobs,
     check_devices_restrict_the_visible_gpus,
@@ -206,7 +308,7 @@ def main() -> int:
         return 0
     print(f"gpu-check: {torch.cuda.get_device_name(0)}, torch {torch.__version__}, CUDA {torch.version.cuda}")
     scratch = Path(tempfile.mkdtemp(prefix="gpu-check-"))
-    failed = 0
+    failed, began = 0, time.perf_counter()
     for check in CHECKS:
         name = check.__name__.removeprefix("check_")
         started = time.perf_counter()
@@ -216,7 +318,8 @@ def main() -> int:
         except Exception as error:  # noqa: BLE001 (every check reports, even after one fails)
             failed += 1
             print(f"FAIL {name} ({time.perf_counter() - started:.0f} s): {type(error).__name__}: {error}", flush=True)
-    print(f"gpu-check: {len(CHECKS) - failed} of {len(CHECKS)} passed; runs in {scratch}")
+    print(f"gpu-check: {len(CHECKS) - failed} of {len(CHECKS)} passed in {time.perf_counter() - began:.0f} s "
+          f"(meant to take under 300 s); runs in {scratch}")
     return 1 if failed else 0
 
 
