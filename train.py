@@ -523,8 +523,10 @@ def main(cfg: DictConfig) -> float:
         sys.stderr.write("error: interrupted before or after training: exiting; nothing more was saved\n")
         sys.exit(130)
     except (ConfigError, Diverged) as error:
+        # without the frames that hold it, the run's DataLoader shuts its workers down now, before the line
+        drop_traceback(error)
         if in_sweep and not env.launched:
-            raise drop_traceback(error)  # this job fails, the sweep goes on, and its summary says why
+            raise error  # this job fails, the sweep goes on, and its summary says why
         sys.stderr.write(f"error: {error}\n")  # one write: ranks printing at once keep their lines whole
         sys.exit(1)
     except Exception as error:
