@@ -493,8 +493,9 @@ def drop_traceback(error: BaseException) -> BaseException:
     hold the failed run's model, optimizer, loaders and tensors, and Hydra and the sweepers keep a
     failed job's exception until the sweep ends, while the next jobs run in this process. Clearing
     the frames' locals is not enough: a frame keeps its function, and fit's closures hold the run."""
-    chained = error
-    while chained is not None:
+    chained, seen = error, set()
+    while chained is not None and id(chained) not in seen:  # contexts can form a cycle
+        seen.add(id(chained))
         chained.__traceback__ = None
         chained = chained.__cause__ or chained.__context__
     return error
