@@ -30,6 +30,7 @@ from tqdm import tqdm
 
 from data import build_datasets
 from data.mix import build_batch_mix
+from data.vision import report_skipped_samples
 from ddp.checkpoint import save_step_checkpoint
 from ddp.config import ConfigError, check_model_accepts, instantiate_checked, optimizer_node, register_configs, validate
 from ddp.env import DistEnv, restrict_visible_gpus, select_device, use_deterministic_cudnn
@@ -307,7 +308,6 @@ def fit(cfg: DictConfig, env: DistEnv, device: torch.device, gpus: list[int], me
         position, rank_state = resume_position(*resumed, cfg.data.batch_size, world_size, env.rank, len(splits.train))
     position.epoch_totals = position.epoch_totals.to(device)
 
-    writer = RankZeroWriter(run_dir, env, purge_step=position.global_step + 1 if resumed else None)
     log.info(
         "strategy=%s world_size=%d device=%s batch_size=%d accumulate=%d global_batch=%d lr=%g precision=%s train=%d val=%d samples",
         cfg.strategy.name, world_size, device, cfg.data.batch_size, length.accumulate, length.global_batch, lr,
@@ -377,7 +377,9 @@ def fit(cfg: DictConfig, env: DistEnv, device: torch.device, gpus: list[int], me
             save()
             meter.resume()
 
-    with stopper:  # SIGTERM, Ctrl-C and submitit's requeue signal: save at the next step boundary, then exit
+    # stopper: SIGTERM, Ctrl-C and submitit's requeue signal save at the next step boundary, then exit;
+    # the writer closes however the run ends
+    with stopper, RankZeroWriter(run_dir, env, purge_step=position.global_step + 1 if resumed else None) as writer:
         started = time.perf_counter()
         metrics: dict[str, float] = {}
         while position.epoch < trainer.max_epochs and position.global_step < length.max_steps:
@@ -421,6 +423,7 @@ def fit(cfg: DictConfig, env: DistEnv, device: torch.device, gpus: list[int], me
         # save and summarise (rank 0)
         if saved["step"] != position.global_step:
             save()
+        writer.add_hparams(hparams_of(cfg, length, lr, world_size), {f"hparam/{k}": v for k, v in metrics.items()}, position.global_step)
     peak_mb, peak_device = peak_memory(gpus, memory_reset)
     compute_timer.window_per_update()  # counts the last window
     # (data wait, peak memory, compute per update) of every rank
@@ -449,13 +452,12 @@ def fit(cfg: DictConfig, env: DistEnv, device: torch.device, gpus: list[int], me
         "compute_s_per_update_per_rank": [rank[2] for rank in per_rank],
         "straggler_ratio": straggler_stats([rank[2] for rank in per_rank])["straggler_ratio"],
         "replicas_identical": replicas_identical(raw_model, include_buffers=True),
+        "bad_samples_skipped": report_skipped_samples(splits, device),  # data.on_bad_sample=skip
     }
     if not results["replicas_identical"]:
         log.warning("the ranks' model replicas differ at the end of training: some code path depends on the rank")
     if env.is_main:
         write_json(results, run_dir / "results.json")
-    writer.add_hparams(hparams_of(cfg, length, lr, world_size), {f"hparam/{k}": v for k, v in metrics.items()}, position.global_step)
-    writer.close()
     return results
 
 
@@ -486,6 +488,19 @@ register_configs()
 register_resolvers()
 
 
+def drop_traceback(error: BaseException) -> BaseException:
+    """`error` without the frames its traceback (and those of the exceptions it chains) holds: they
+    hold the failed run's model, optimizer, loaders and tensors, and Hydra and the sweepers keep a
+    failed job's exception until the sweep ends, while the next jobs run in this process. Clearing
+    the frames' locals is not enough: a frame keeps its function, and fit's closures hold the run."""
+    chained, seen = error, set()
+    while chained is not None and id(chained) not in seen:  # contexts can form a cycle
+        seen.add(id(chained))
+        chained.__traceback__ = None
+        chained = chained.__cause__ or chained.__context__
+    return error
+
+
 @hydra.main(version_base="1.3", config_path="conf", config_name="config")
 def main(cfg: DictConfig) -> float:
     """Returns the final val accuracy: the objective a hyperparameter sweeper maximises."""
@@ -503,23 +518,28 @@ def main(cfg: DictConfig) -> float:
             results = run(cfg, run_dir, relaunch)
     except Interrupted as interrupted:
         record_failed_job(hydra_cfg, cfg, interrupted)  # a sweep stops here: its summary marks the job
-        raise
+        raise drop_traceback(interrupted) if in_sweep else interrupted
     except KeyboardInterrupt:  # Ctrl-C outside the training loop, where no step boundary comes
         record_failed_job(hydra_cfg, cfg, Interrupted(signal.SIGINT))
         sys.stderr.write("error: interrupted before or after training: exiting; nothing more was saved\n")
         sys.exit(130)
     except (ConfigError, Diverged) as error:
+        # without the frames that hold it, the run's DataLoader shuts its workers down now, before the line
+        drop_traceback(error)
         if in_sweep and not env.launched:
-            raise  # this job fails, the sweep goes on, and its summary says why
+            raise error  # this job fails, the sweep goes on, and its summary says why
         sys.stderr.write(f"error: {error}\n")  # one write: ranks printing at once keep their lines whole
         sys.exit(1)
-    except Exception:
+    except Exception as error:
         if in_sweep and env.launched:
             # Hydra would raise only after the whole batch of jobs, leaving the other ranks waiting in
             # collectives of the next job: end the sweep now (torchrun then stops the other ranks).
             log.exception("sweep job %d (%s) failed; stopping the sweep", hydra_cfg.job.num, " ".join(hydra_cfg.overrides.task))
-            record_failed_job(hydra_cfg, cfg, sys.exc_info()[1])
+            record_failed_job(hydra_cfg, cfg, error)
             sys.exit(1)
+        if in_sweep:  # the traceback goes to this job's log; the sweep goes on without the job's frames
+            log.exception("sweep job %d (%s) failed", hydra_cfg.job.num, " ".join(hydra_cfg.overrides.task))
+            raise drop_traceback(error)
         raise
     if env.is_main:
         log.info("run dir: %s", run_dir)

@@ -1,18 +1,82 @@
 """torchvision datasets on local disk: ImageFolder and CIFAR-10, with the standard train and eval
 transforms (data/presets.py)."""
 
+import itertools
+import logging
 from pathlib import Path
 
+import torch
 from torchvision import datasets
 
 from data import DataSplits
 from data.presets import cifar10_transforms, imagefolder_transforms
 from ddp.config import ConfigError
+from ddp.process_group import all_reduce_sum
+
+log = logging.getLogger(__name__)
+
+ON_BAD_SAMPLE = ("error", "skip")
 
 
-def build_imagefolder(root: str, image_size: int, augment: str, random_erase: float, interpolation: str) -> DataSplits:
+class BadSample(ConfigError):
+    """An image file that can't be read, named with its index in its split (data.on_bad_sample=error)."""
+
+    def __init__(self, message: str):
+        # Raised in a DataLoader worker, it comes back as "Caught BadSample in DataLoader worker process N.
+        # Original Traceback ...": keep the one line it was raised with.
+        super().__init__(message.rstrip().splitlines()[-1].removeprefix(f"{__name__}.{type(self).__name__}: "))
+
+
+class CheckedImageFolder(datasets.ImageFolder):
+    """An ImageFolder split whose unreadable files (truncated, empty, not an image) either stop the run
+    with one line naming the file and its index, or are replaced by the next readable sample of the
+    split (wrapping around). The replacement depends only on the files, so it is the same on every rank,
+    epoch and resume, and draws no random numbers: exact resume holds. `skipped` flags each replaced
+    index; it lives in shared memory, so DataLoader workers' flags reach this process."""
+
+    def __init__(self, root: str, transform, split: str, on_bad_sample: str):
+        super().__init__(root, transform=transform)
+        self.split, self.on_bad_sample = split, on_bad_sample
+        self.skipped = torch.zeros(len(self.samples), dtype=torch.uint8).share_memory_()
+
+    def __getitem__(self, index: int):
+        for candidate in itertools.chain(range(index, len(self.samples)), range(index)):
+            path, target = self.samples[candidate]
+            try:
+                image = self.loader(path)
+            except (OSError, SyntaxError, ValueError) as error:  # what PIL raises for a broken file
+                if self.on_bad_sample == "error":
+                    raise BadSample(f"{path} (index {candidate} of the {self.split} split): unreadable image "
+                                    f"({type(error).__name__}: {error}); replace or remove the file, or set "
+                                    "data.on_bad_sample=skip") from None
+                self.skipped[candidate] = 1
+                continue
+            return (self.transform(image) if self.transform is not None else image), target
+        raise BadSample(f"{self.root}: no readable image in the {self.split} split (data.on_bad_sample=skip)")
+
+
+def report_skipped_samples(splits: DataSplits, device: torch.device) -> int | None:
+    """How many distinct files of the train and val splits data.on_bad_sample=skip replaced in this run,
+    on any rank (one all_reduce), with a warning naming them; None for datasets that skip nothing."""
+    folders = [dataset for dataset in (splits.train, splits.val)
+               if isinstance(dataset, CheckedImageFolder) and dataset.on_bad_sample == "skip"]
+    if not folders:
+        return None
+    skipped = all_reduce_sum(torch.cat([folder.skipped for folder in folders]).to(device, torch.int32))
+    paths = [folder.samples[index][0] for folder, flags in zip(folders, skipped.split([len(f) for f in folders]))
+             for index in flags.nonzero().flatten().tolist()]
+    if paths:
+        log.warning("data.on_bad_sample=skip: replaced %d unreadable image(s) by the next one of their split: %s%s",
+                    len(paths), ", ".join(paths[:10]), " ..." if len(paths) > 10 else "")
+    return len(paths)
+
+
+def build_imagefolder(root: str, image_size: int, augment: str, random_erase: float, interpolation: str,
+                      on_bad_sample: str = "error") -> DataSplits:
     """`root/train/<class>/*` and `root/val/<class>/*`, as torchvision's ImageFolder reads them, and
     `root/test/<class>/*` if present (data.split=test with mode=eval)."""
+    if on_bad_sample not in ON_BAD_SAMPLE:
+        raise ConfigError(f"data.on_bad_sample={on_bad_sample}: must be one of {' | '.join(ON_BAD_SAMPLE)}")
     for split in ("train", "val"):
         if not (Path(root) / split).is_dir():
             raise ConfigError(f"data.root={root}: no {split}/ folder; ImageFolder needs {root}/{split}/<class>/<image>")
@@ -23,7 +87,7 @@ def build_imagefolder(root: str, image_size: int, augment: str, random_erase: fl
         if split == "test" and not (Path(root) / split).is_dir():
             continue
         try:
-            folders[split] = datasets.ImageFolder(str(Path(root) / split), transform=transform)
+            folders[split] = CheckedImageFolder(str(Path(root) / split), transform, split, on_bad_sample)
         except FileNotFoundError as error:  # no class folders, or no images in them
             raise ConfigError(f"data.root={root}: {error}") from None
         if folders[split].classes != folders["train"].classes:

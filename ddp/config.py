@@ -98,6 +98,7 @@ class ImageFolderDataConfig(DataConfig):
     augment: str = "standard"  # none | standard | randaugment | trivialaugment | autoaugment (data/presets.py)
     random_erase: float = 0.0  # probability of RandomErasing on a training image
     interpolation: str = "bilinear"  # bilinear | bicubic | nearest, for resizing and the augment policies
+    on_bad_sample: str = "error"  # error | skip: an unreadable image stops the run naming it, or is replaced by the next one
 
 
 @dataclass

@@ -57,6 +57,13 @@ class RankZeroWriter:
         if self.writer is not None:
             self.writer.close()
 
+    # A context manager, so that the writer closes however the run ends (a sweep's next job runs in this process).
+    def __enter__(self) -> "RankZeroWriter":
+        return self
+
+    def __exit__(self, *exc_info) -> None:
+        self.close()
+
 
 def write_json(data: dict[str, Any], path: Path) -> None:
     """Written whole or not at all: readers never see half a file."""

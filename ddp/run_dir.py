@@ -318,11 +318,16 @@ def _job_dir_name(job_num: int, task_overrides: list[str]) -> str:
     """`<job number>_<the swept values>` (e.g. `0_data.batch_size=16`): TensorBoard names each run of a
     sweep after its dir, so the scalar legend and the HParams table say which job is which. The swept
     keys are those given several values on the command line; when none are (an Optuna search), the
-    name holds all of the job's overrides. A `/` in a value would nest dirs, and names have a length limit."""
+    name holds all of the job's overrides. A `/` in a value would nest dirs. Names have a length limit:
+    overrides that don't fit are left out whole (the sweep summary lists them all); the job number stays."""
     swept = set(filter(None, os.environ.get(SWEPT_KEYS_ENV, "").split(",")))
     chosen = [item for item in task_overrides if item.split("=", 1)[0].lstrip("+~") in swept] or list(task_overrides)
-    name = ",".join([str(job_num), *sorted(chosen)]).replace(",", "_", 1).replace("/", "_")
-    return name[:MAX_JOB_DIR_NAME]
+    name = str(job_num)
+    for separator, item in zip(["_", *[","] * len(chosen)], sorted(chosen)):
+        if len(name) + len(separator) + len(item) > MAX_JOB_DIR_NAME:
+            break
+        name += separator + item.replace("/", "_")
+    return name
 
 
 def swept_keys(task_overrides: list[str]) -> set[str]:

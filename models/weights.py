@@ -65,8 +65,9 @@ def read_state_dict(path: Path) -> dict[str, torch.Tensor]:
 
 
 def _strip_prefixes(key: str) -> str:
-    for prefix in WRAPPER_PREFIXES:
-        key = key.removeprefix(prefix)
+    """Wrappers nest in any order (torch.compile(DDP(m)) saves `_orig_mod.module.*`): strip until none is left."""
+    while key.startswith(WRAPPER_PREFIXES):
+        key = key.split(".", 1)[1]
     return key
 
 

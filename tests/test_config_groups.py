@@ -70,7 +70,7 @@ OPTION_KEYS = {
     ("data", "synthetic"): {
         *LOADING, "num_samples", "num_val_samples", "image_size", "num_classes", "channels", "data_seed", "augment",
     },
-    ("data", "imagefolder"): {*LOADING, "root", "image_size", "augment", "random_erase", "interpolation"},
+    ("data", "imagefolder"): {*LOADING, "root", "image_size", "augment", "random_erase", "interpolation", "on_bad_sample"},
     ("data", "cifar10"): {*LOADING, "root", "download", "augment", "random_erase", "interpolation"},
     ("optim", "sgd"): {"_target_", "lr", "lr_scaling", "reference_batch_size", "momentum", "weight_decay", "nesterov"},
     ("optim", "adam"): {"_target_", "lr", "lr_scaling", "reference_batch_size", "weight_decay"},
@@ -128,6 +128,14 @@ def test_help_lists_every_user_group_and_option_and_no_schema(tmp_path):
         options = {p.stem for p in (REPO / "conf" / group).glob("*.yaml")}
         assert options <= set(line.replace("|", " ").replace(":", " ").split()), (line, options)
     assert not (tmp_path / "outputs").exists()
+
+
+def test_hydra_config_prints_resolved(tmp_path):
+    """`--cfg hydra --resolve` prints Hydra's node alone, without the job's keys its interpolations read."""
+    result = launch(["--cfg", "hydra", "--resolve"], tmp_path, timeout=120)
+    check(result)
+    run_dir = [line.split()[-1] for line in result.stdout.splitlines() if line.strip().startswith("dir:")][0]
+    assert run_dir.startswith("outputs/") and "$" not in run_dir
 
 
 @pytest.mark.parametrize("group, option", [(g, o) for g, o in ALL_OPTIONS if (g, o) != ("data", "imagefolder")])

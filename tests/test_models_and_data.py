@@ -3,6 +3,9 @@ standard train and eval transforms, MixUp/CutMix and label smoothing, and mode=e
 
 import json
 import logging
+import re
+
+import numpy as np
 
 import pytest
 import torch
@@ -12,10 +15,11 @@ from hydra import compose, initialize_config_dir
 from PIL import Image
 from safetensors.torch import save_file
 
-from conftest import REPO, TINY, check, launch, load_results, run_dirs, write_imagefolder
+from conftest import REPO, TINY, check, launch, load_last, load_results, run_dirs, write_imagefolder
 from data import build_datasets
 from data.mix import build_batch_mix
 from data.presets import AUGMENTS, cifar10_transforms, imagefolder_transforms
+from data.vision import BadSample
 from ddp.config import ConfigError, register_configs
 from ddp.env import DistEnv
 from ddp.loaders import build_train_loader, start_epoch
@@ -110,6 +114,28 @@ def test_our_own_checkpoint_gives_its_model_weights(single_run):
     assert all(torch.equal(loaded[key], value) for key, value in checkpoint["model"].items())
 
 
+WRAPPERS = {
+    "DataParallel": torch.nn.DataParallel,
+    "compile": torch.compile,
+    "compile(DataParallel)": lambda model: torch.compile(torch.nn.DataParallel(model)),
+    "DataParallel(compile)": lambda model: torch.nn.DataParallel(torch.compile(model)),
+}
+
+
+@pytest.mark.parametrize("wrap", WRAPPERS.values(), ids=WRAPPERS.keys())
+def test_weights_saved_from_a_wrapped_model_load_whatever_the_wrapper_order(tmp_path, wrap):
+    """`module.` (DDP, DataParallel) and `_orig_mod.` (torch.compile) prefixes, nested in either order."""
+    cfg = compose_config("model.channels=[8,16]")
+    torch.manual_seed(1)
+    reference = build_model(cfg.model, num_classes=10, in_channels=3)
+    torch.save(wrap(reference).state_dict(), tmp_path / "wrapped.pt")
+    cfg = compose_config("model.channels=[8,16]", f"model.weights_path={tmp_path / 'wrapped.pt'}")
+    torch.manual_seed(2)  # another initialisation: only a load gives the reference's weights
+    loaded = build_model(cfg.model, num_classes=10, in_channels=3).state_dict()
+    assert loaded.keys() == reference.state_dict().keys()
+    assert all(torch.equal(loaded[key], value) for key, value in reference.state_dict().items())
+
+
 def test_a_pickled_object_is_refused_and_never_run(tmp_path):
     torch.save(torchvision.models.resnet18(num_classes=10), tmp_path / "whole_model.pth")
     with pytest.raises(ConfigError, match="refused, it holds pickled objects"):
@@ -143,18 +169,34 @@ def test_train_augmentation_differs_across_epochs_and_ranks_and_repeats_exactly(
     pairs = list(batches.values())
     assert all(not torch.equal(a, b) for i, a in enumerate(pairs) for b in pairs[i + 1:])
     assert torch.equal(first_batch(splits.train, cfg.data, 1, 1), batches[1, 1])
-    assert torch.equal(splits.val[0][0], splits.val[1][0]) and torch.equal(splits.val[0][0], splits.val[0][0])
+    assert torch.equal(splits.val[0][0], splits.val[1][0])
+
+
+# The datasets' published per-channel statistics, stated here again so that the test sees a change.
+IMAGENET = ((0.485, 0.456, 0.406), (0.229, 0.224, 0.225))
+CIFAR10 = ((0.4914, 0.4822, 0.4465), (0.2470, 0.2435, 0.2616))
 
 
 @pytest.mark.parametrize("augment", AUGMENTS)
 def test_every_preset_gives_normalised_crops_of_the_configured_size(augment):
-    image = Image.new("RGB", (50, 40), color=(120, 30, 200))
-    train, evaluate = imagefolder_transforms(24, augment, random_erase=0.25, interpolation="bicubic")
-    assert train(image).shape == evaluate(image).shape == (3, 24, 24)
-    train, evaluate = cifar10_transforms(augment, random_erase=0.25, interpolation="bilinear")
-    cifar_image = image.resize((32, 32))
-    assert train(cifar_image).shape == (3, 32, 32) and train(cifar_image).dtype == torch.float32
-    assert torch.equal(evaluate(cifar_image), evaluate(cifar_image))
+    """A constant colour c gives (c / 255 - mean) / std per channel, with the dataset's own statistics,
+    in a crop of the configured size; augment=none trains on exactly the eval transform."""
+    colour = (120, 30, 200)
+    image = Image.new("RGB", (50, 40), color=colour)
+    noise = Image.fromarray(np.random.default_rng(0).integers(0, 256, (40, 50, 3), dtype=np.uint8))
+    presets = {
+        "imagefolder": (lambda erase: imagefolder_transforms(24, augment, random_erase=erase, interpolation="bicubic"), 24, IMAGENET),
+        "cifar10": (lambda erase: cifar10_transforms(augment, random_erase=erase, interpolation="bilinear"), 32, CIFAR10),
+    }
+    for name, (transforms, size, (mean, std)) in presets.items():
+        source, noisy = (image, noise) if name == "imagefolder" else (image.resize((32, 32)), noise.resize((32, 32)))
+        expected = ((torch.tensor(colour) / 255 - torch.tensor(mean)) / torch.tensor(std)).view(3, 1, 1).expand(3, size, size)
+        train, evaluate = transforms(0.25)
+        assert train(source).shape == (3, size, size) and train(source).dtype == torch.float32
+        train, evaluate = transforms(0.0)
+        assert torch.allclose(evaluate(source), expected, atol=1e-5), name
+        if augment == "none":
+            assert torch.equal(train(noisy), evaluate(noisy)), name
 
 
 def test_eval_resizes_to_crop_over_0_875_then_centre_crops():
@@ -162,6 +204,75 @@ def test_eval_resizes_to_crop_over_0_875_then_centre_crops():
     _, evaluate = imagefolder_transforms(224, "standard", random_erase=0.0, interpolation="bilinear")
     resize, crop = evaluate.transforms[:2]
     assert (list(resize.size), list(crop.size)) == ([256], [224, 224])
+
+
+# --- unreadable images ------------------------------------------------------------------------
+
+def add_unreadable_images(root) -> dict[str, str]:
+    """A truncated JPEG and a zero-byte PNG in train/, a text file named .jpg in val/: {kind: path}."""
+    truncated = root / "train" / "cat" / "1_truncated.jpg"
+    pixels = np.random.default_rng(0).integers(0, 256, (20, 24, 3), dtype=np.uint8)
+    Image.fromarray(pixels).save(truncated, quality=95)
+    truncated.write_bytes(truncated.read_bytes()[: truncated.stat().st_size // 2])
+    empty, text = root / "train" / "dog" / "1_empty.png", root / "val" / "dog" / "0_text.jpg"
+    empty.write_bytes(b"")
+    text.write_text("not an image")
+    return {"truncated": str(truncated), "zero-byte": str(empty), "not an image": str(text)}
+
+
+@pytest.mark.parametrize("kind", ["truncated", "zero-byte", "not an image"])
+def test_an_unreadable_image_is_named_with_its_index_in_one_line(tmp_path, kind):
+    """data.on_bad_sample=error (the default): read by a DataLoader worker, the error still comes back as
+    one line naming the file and its index in its split."""
+    root = write_imagefolder(tmp_path / "images", per_class=4)
+    path = add_unreadable_images(root)[kind]
+    cfg = compose_config("data=imagefolder", f"data.root={root}", "data.image_size=16", "data.num_workers=1")
+    assert cfg.data.on_bad_sample == "error"
+    splits = build_datasets(cfg.data)
+    dataset = splits.train if "/train/" in path else splits.val
+    index = [sample for sample, _ in dataset.samples].index(path)
+    loader = torch.utils.data.DataLoader(dataset, sampler=[index], num_workers=1)
+    with pytest.raises(BadSample) as error:
+        next(iter(loader))
+    split = "train" if dataset is splits.train else "val"
+    assert str(error.value).startswith(f"{path} (index {index} of the {split} split): unreadable image (")
+    assert "data.on_bad_sample=skip" in str(error.value) and "\n" not in str(error.value)
+
+
+def test_unreadable_images_end_the_run_in_one_line(tmp_path):
+    root = write_imagefolder(tmp_path / "images", per_class=4)
+    add_unreadable_images(root)
+    result = launch(["data=imagefolder", f"data.root={root}", "data.image_size=16", "data.batch_size=4", "data.num_workers=2",
+                     "model.channels=[8,16]", "trainer.max_epochs=1"], tmp_path)
+    assert result.returncode == 1
+    (line,) = result.stderr.strip().splitlines()
+    assert re.fullmatch(r"error: \S+/train/\w+/1_\w+\.(jpg|png) \(index \d+ of the train split\): unreadable image .*", line), line
+
+
+def test_unreadable_images_skipped_are_counted_and_resume_stays_exact(tmp_path):
+    """data.on_bad_sample=skip: each unreadable image is replaced by the next one of its split, the same
+    on every read, so a run stopped at step 5 and resumed from its step-3 checkpoint ends with the very
+    weights of the run never stopped (random augmentation, two DataLoader workers); both count the 3 files."""
+    root = write_imagefolder(tmp_path / "images", per_class=6)
+    paths = add_unreadable_images(root)
+    args = ["data=imagefolder", f"data.root={root}", "data.image_size=16", "data.batch_size=4", "data.num_workers=2",
+            "data.augment=trivialaugment", "data.on_bad_sample=skip", "model.channels=[8,16]", "trainer.max_epochs=2",
+            "checkpoint.every_n_steps=3"]
+    for name in ("straight", "stopped"):
+        (tmp_path / name).mkdir()
+    check(launch(args, tmp_path / "straight"))
+    stopped = launch([*args, "fault.raise_rank=0", "fault.at_step=5"], tmp_path / "stopped")
+    assert "injected fault" in stopped.stderr
+    (run_dir,) = run_dirs(tmp_path / "stopped")
+    check(launch([*args, f"resume={run_dir}"], tmp_path / "stopped"))
+    straight, resumed = load_last(tmp_path / "straight"), load_last(tmp_path / "stopped")
+    assert straight["global_step"] == resumed["global_step"] == 8  # 14 training images: 4 batches, 2 epochs
+    assert all(torch.equal(value, resumed["model"][key]) for key, value in straight["model"].items())
+    for cwd in (tmp_path / "straight", tmp_path / "stopped"):
+        assert load_results(cwd)["bad_samples_skipped"] == 3
+        (run_dir,) = run_dirs(cwd)
+        log_text = (run_dir / "train_rank0.log").read_text()
+        assert "replaced 3 unreadable image(s)" in log_text and all(path in log_text for path in paths.values())
 
 
 # --- loss-side regularisation -----------------------------------------------------------------
@@ -198,7 +309,10 @@ def test_a_sweep_job_dir_is_named_after_its_swept_values_and_fits_a_file_name(mo
     assert _job_dir_name(0, task) == "0_data.batch_size=16,optim.lr=0.1"
     monkeypatch.setenv(SWEPT_KEYS_ENV, "")  # an Optuna search: the sweeper picks the values
     assert _job_dir_name(3, ["optim.lr=0.05", "data.root=/datasets/imagenet"]) == "3_data.root=_datasets_imagenet,optim.lr=0.05"
-    assert len(_job_dir_name(12, ["x" * 300])) == 120
+    # too long for a file name: cut where an override ends, and the job number stays
+    long_values = [f"k{i}=" + "v" * 30 for i in range(6)]  # 33 characters each
+    assert _job_dir_name(7, long_values) == "7_" + ",".join(long_values[:3])  # 4 would make 137 > 120
+    assert _job_dir_name(12, ["x" * 300]) == "12"
 
 
 # --- mode=eval --------------------------------------------------------------------------------

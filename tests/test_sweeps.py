@@ -223,6 +223,25 @@ def test_plain_sweep_runs_the_other_jobs_and_reports_the_failed_one(tmp_path):
     assert "sweep summary (" in result.stdout  # printed although Hydra ends the sweep with an error
 
 
+def test_a_failed_job_leaves_nothing_behind_for_the_next_jobs(tmp_path):
+    """Jobs of a plain multirun share one process. After each job, failed or not, none of its modules
+    or tensors is reachable, its DataLoader workers are gone and its TensorBoard writer is closed
+    (tests/workers/leak_probe.py counts them at every job's start and end). Job 0 diverges, jobs 1
+    and 3 fail with an unexpected error at step 2 (fault.raise_rank), job 2 ends well."""
+    probe = tmp_path / "probe.jsonl"
+    result = launch(["-m", "strategy=single", *SMALL, "data.batch_size=16", "data.num_workers=2", "optim.lr=1e6,0.05",
+                     "fault.raise_rank=-1,0", "fault.at_step=2",
+                     "+hydra.callbacks.leak_probe._target_=tests.workers.leak_probe.LeakProbe",
+                     f"+hydra.callbacks.leak_probe.path={probe}"], tmp_path)
+    assert result.returncode != 0, output(result)[-4000:]
+    statuses = [row["status"].split(":")[:2] for row in summary_rows(the_sweep_dir(tmp_path))]
+    assert statuses == [["failed", " Diverged"], ["failed", " RuntimeError"], ["ok"], ["failed", " RuntimeError"]], statuses
+    records = [json.loads(line) for line in probe.read_text().splitlines()]
+    assert [(r["job"], r["when"]) for r in records] == [(job, when) for job in range(4) for when in ("start", "end")]
+    for record in records:
+        assert record | {"modules": 0, "tensors": 0, "loader_workers": 0, "open_event_writers": 0} == record, record
+
+
 # --- 6. Optuna search over self-launched DDP ---------------------------------------------------
 
 def test_optuna_search_over_ddp_trials_every_rank_trains_the_sampled_values(tmp_path):

@@ -36,12 +36,11 @@ def test_training_and_validation_scalars(events, ddp_run):
     assert [event.step for event in events.Scalars("val/accuracy")] == [8, 16]
     final = load_results(ddp_run[0])
     assert events.Scalars("val/accuracy")[-1].value == pytest.approx(final["val_accuracy"], rel=1e-6)
-    for mean, worst in zip(events.Scalars("perf/data_wait_fraction"), events.Scalars("perf/data_wait_fraction_max"), strict=True):
-        assert 0 <= mean.value <= worst.value <= 1  # the ranks' mean share of step time waiting for data, and the worst rank's
-    lows, middles, highs, ratios = (events.Scalars(f"perf/{tag}") for tag in (
-        "compute_s_per_update_min", "compute_s_per_update_median", "compute_s_per_update_max", "straggler_ratio"))
-    for low, middle, high, ratio in zip(lows, middles, highs, ratios, strict=True):
-        assert 0 < low.value <= middle.value <= high.value and ratio.value == pytest.approx(high.value / middle.value, rel=1e-5)
+    for tag in (tag for tag in TRAIN_TAGS if tag.startswith("perf/")):  # at every log step (trainer.log_every_n_steps=2)
+        assert [event.step for event in events.Scalars(tag)] == list(range(2, 17, 2)), tag
+    for tag in ("perf/data_wait_fraction", "perf/data_wait_fraction_max"):  # a share of the step time
+        assert all(0 <= event.value <= 1 for event in events.Scalars(tag)), tag
+    assert all(event.value > 0 for event in events.Scalars("perf/compute_s_per_update_min"))  # every rank's compute is timed
 
 
 def test_a_slow_rank_shows_in_the_straggler_ratio(plain_ddp_run):

@@ -131,9 +131,14 @@ def test_imagefolder_trains_a_pretrained_torchvision_model_and_evaluates_its_tes
     root = write_imagefolder(tmp_path / "images", classes=("cat", "dog", "eel"), per_class={"train": 8, "val": 4, "test": 5},
                              splits=("train", "val", "test"))
     weights = torchvision.models.resnet18(num_classes=1000).state_dict()
+    # values no fresh initialisation has: BatchNorm counts of 1000 batches seen (fresh: 0), a stem scale of 5 (fresh: 1)
+    for key in (key for key in weights if key.endswith("num_batches_tracked")):
+        weights[key].fill_(1000)
+    weights["bn1.weight"].fill_(5.0)
     torch.save(weights, tmp_path / "resnet18_imagenet.pth")
     data = ["data=imagefolder", f"data.root={root}", "data.image_size=32", "data.batch_size=4", "data.num_workers=2"]
-    (tmp_path / "train").mkdir(), (tmp_path / "eval").mkdir()
+    for cwd in ("train", "eval", "eval_val"):
+        (tmp_path / cwd).mkdir()
     check(launch([*data, "data.augment=trivialaugment", "model=torchvision", "model.name=resnet18",
                   f"model.weights_path={tmp_path / 'resnet18_imagenet.pth'}", "trainer.max_epochs=2"], tmp_path / "train"))
     results = load_results(tmp_path / "train")
@@ -142,10 +147,18 @@ def test_imagefolder_trains_a_pretrained_torchvision_model_and_evaluates_its_tes
     assert "skipped the classifier head ['fc.bias', 'fc.weight']" in (run_dir / "train_rank0.log").read_text()
     trained = load_last(tmp_path / "train")["model"]
     assert trained["fc.weight"].shape == (3, 512)  # one output per class folder
-    assert not torch.equal(trained["layer4.1.bn2.weight"], weights["layer4.1.bn2.weight"])  # loaded, then trained
+    # loaded, then trained: every BatchNorm counted the 12 training batches on top of the file's 1000
+    assert {trained[key].item() for key in trained if key.endswith("num_batches_tracked")} == {1012}
+    assert torch.allclose(trained["bn1.weight"], weights["bn1.weight"], atol=0.5)
+    assert not torch.equal(trained["bn1.weight"], weights["bn1.weight"])
 
     check(launch([*data, "data.num_workers=0", "mode=eval", f"resume={run_dir}", "data.split=test"], tmp_path / "eval"))
     (eval_dir,) = run_dirs(tmp_path / "eval")
     evaluated = json.loads((eval_dir / "eval.json").read_text())
     assert (evaluated["split"], evaluated["test_samples"], evaluated["step"]) == ("test", 15, 12)
-    assert 0 <= evaluated["test_accuracy"] <= 1
+    # the same checkpoint on the val split: the run's own final val metrics
+    check(launch([*data, "data.num_workers=0", "mode=eval", f"resume={run_dir}", "data.split=val"], tmp_path / "eval_val"))
+    (eval_dir,) = run_dirs(tmp_path / "eval_val")
+    evaluated = json.loads((eval_dir / "eval.json").read_text())
+    assert (evaluated["val_samples"], evaluated["val_accuracy"]) == (12, results["val_accuracy"])
+    assert evaluated["val_loss"] == pytest.approx(results["val_loss"], rel=1e-6)
