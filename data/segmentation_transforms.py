@@ -53,7 +53,11 @@ def eval_transforms(base_size: int, mean, std) -> JointTransform:
 def pad_collate(batch: list[tuple[torch.Tensor, torch.Tensor]]) -> tuple[torch.Tensor, torch.Tensor]:
     """Stack (image, mask) pairs of different sizes: each padded at its right and bottom to the batch's
     largest height and width, images with 0 and masks with IGNORE_INDEX, so padded pixels count in
-    neither the loss nor the metrics. Images of one size are stacked as they are."""
+    neither the loss nor the metrics. Images of one size are stacked as they are.
+
+    The padding does change what a convolution sees near an image's right and bottom edges, so a model's
+    predictions there can depend on which images share its batch. Evaluation is the same at any world
+    size when all images have one size (data=shapes), or at batch 1 (as torchvision's reference)."""
     height = max(image.shape[-2] for image, _ in batch)
     width = max(image.shape[-1] for image, _ in batch)
 

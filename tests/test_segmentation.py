@@ -21,6 +21,7 @@ from ddp.config import ConfigError
 from models import build_model
 from models.segmentation import TORCHVISION_NAMES, build_segmentation_model, small_segnet
 from tasks.segmentation import confusion_sums, segmentation_loss, segmentation_metrics
+from workers.host_reads import HostReads
 
 
 # --- loss, sums, metrics ------------------------------------------------------------------------
@@ -87,6 +88,17 @@ def test_sums_of_any_split_add_up_to_the_sums_of_the_whole():
         assert torch.equal(summed[1:], whole[1:])  # counts: exact
         assert summed[0].item() == pytest.approx(whole[0].item(), rel=1e-12)  # float64 sums in another order
     assert segmentation_metrics(summed) == pytest.approx(segmentation_metrics(whole), rel=1e-12)
+
+
+def test_loss_and_sums_read_nothing_back_to_the_host():
+    """Per batch, on a GPU, a host read would make the CPU wait for the device at every eval step."""
+    target = torch.randint(3, (2, 5, 5))
+    target[0, 0] = IGNORE_INDEX
+    output = {"out": torch.randn(2, 3, 5, 5), "aux": torch.randn(2, 3, 5, 5)}
+    with HostReads() as reads:
+        segmentation_loss(output, target)
+        confusion_sums(output, target, num_classes=3)
+    assert reads.events == []
 
 
 # --- transforms and collate ------------------------------------------------------------------------
