@@ -83,7 +83,7 @@ def load_backbone_weights(model: nn.Module, path: str) -> None:
     keys). Every backbone tensor must be in the file with its shape: otherwise a one-line error."""
     backbone = getattr(model, "backbone", None)
     if not isinstance(backbone, nn.Module):
-        raise ConfigError(f"model.weights_scope=backbone: this model has no `backbone`; use model.weights_scope=model")
+        raise ConfigError("model.weights_scope=backbone: this model has no `backbone`; use model.weights_scope=model")
     state = {_strip_prefixes(key): value for key, value in read_state_dict(Path(path)).items()}
     own = backbone.state_dict()
     candidates = [{key.removeprefix(prefix): value for key, value in state.items() if key.startswith(prefix)}
