@@ -1,0 +1,99 @@
+"""Segmentation models in torchvision's convention: the forward returns a dict with `out`, logits
+N x num_classes x H x W at the input's size, and `aux` where an auxiliary head exists (its loss
+counts at 0.5, tasks/segmentation.py). Randomly initialised: nothing is downloaded. model.weights_path
+loads local weights into the whole model (models/weights.py); load_backbone_weights into its
+`backbone` only, from a classification model's state_dict (e.g. torchvision's resnet50 ImageNet file)."""
+
+import logging
+from pathlib import Path
+
+import torchvision
+from torch import nn
+from torch.nn import functional as F
+
+from ddp.config import ConfigError
+from models.weights import _strip_prefixes, load_weights, read_state_dict
+from models.zoo import adapt_stem
+
+log = logging.getLogger(__name__)
+
+TORCHVISION_NAMES = ("fcn_resnet50", "deeplabv3_resnet50", "deeplabv3_mobilenet_v3_large", "lraspp_mobilenet_v3_large")
+NO_AUX_HEAD = ("lraspp_mobilenet_v3_large",)
+WEIGHTS_SCOPES = ("model", "backbone")
+
+
+def build_segmentation_model(num_classes: int, in_channels: int, name: str, aux_loss: bool = True) -> nn.Module:
+    """torchvision.models.get_model(name, weights=None, weights_backbone=None, num_classes=..., aux_loss=...).
+    aux_loss adds the auxiliary head of the models that have one (lraspp has none: there it is ignored).
+    A stem made for RGB is rebuilt, freshly initialised, for other channel counts."""
+    if name not in TORCHVISION_NAMES:
+        raise ConfigError(f"model.name={name}: not a segmentation model here; use one of {', '.join(TORCHVISION_NAMES)}")
+    kwargs = {} if name in NO_AUX_HEAD else {"aux_loss": aux_loss}
+    model = torchvision.models.get_model(name, weights=None, weights_backbone=None, num_classes=num_classes, **kwargs)
+    if in_channels != 3:
+        adapt_stem(model, name, in_channels)
+    return model
+
+
+def _block(in_channels: int, out_channels: int, stride: int = 1, dilation: int = 1) -> nn.Sequential:
+    return nn.Sequential(nn.Conv2d(in_channels, out_channels, 3, stride, padding=dilation, dilation=dilation, bias=False),
+                         nn.BatchNorm2d(out_channels), nn.ReLU(inplace=True))
+
+
+class SmallSegNet(nn.Module):
+    """A few conv + BatchNorm blocks at half resolution, dilated for context: trains on CPU in seconds,
+    with enough BatchNorm for SyncBN to matter. `backbone` -> `classifier` gives `out`;
+    `aux_classifier` on the backbone's features gives `aux`."""
+
+    def __init__(self, num_classes: int, in_channels: int, width: int = 16, aux_loss: bool = True):
+        super().__init__()
+        self.backbone = nn.Sequential(_block(in_channels, width), _block(width, 2 * width, stride=2))
+        self.classifier = nn.Sequential(_block(2 * width, 2 * width, dilation=2), _block(2 * width, 2 * width, dilation=4),
+                                        nn.Conv2d(2 * width, num_classes, 1))
+        self.aux_classifier = nn.Conv2d(2 * width, num_classes, 1) if aux_loss else None
+
+    def forward(self, x):
+        size = x.shape[-2:]
+        features = self.backbone(x)
+        result = {"out": F.interpolate(self.classifier(features), size=size, mode="bilinear", align_corners=False)}
+        if self.aux_classifier is not None:
+            result["aux"] = F.interpolate(self.aux_classifier(features), size=size, mode="bilinear", align_corners=False)
+        return result
+
+
+def small_segnet(num_classes: int, in_channels: int, width: int = 16, aux_loss: bool = True) -> SmallSegNet:
+    return SmallSegNet(num_classes, in_channels, width, aux_loss)
+
+
+def load_weights_scoped(model: nn.Module, path: str, num_classes: int, scope: str = "model") -> None:
+    """model.weights_path with model.weights_scope: `model` loads a whole segmentation model's state_dict
+    (a head for another number of classes is skipped, as models/weights.py does); `backbone` loads only
+    model.backbone, leaving the heads freshly initialised."""
+    if scope not in WEIGHTS_SCOPES:
+        raise ConfigError(f"model.weights_scope={scope}: unknown, use one of {', '.join(WEIGHTS_SCOPES)}")
+    if scope == "model":
+        load_weights(model, path, num_classes)
+    else:
+        load_backbone_weights(model, path)
+
+
+def load_backbone_weights(model: nn.Module, path: str) -> None:
+    """Into model.backbone: a classification model's state_dict (its `features.` prefix, as MobileNetV3's,
+    is dropped; its classifier is ignored), a backbone's own, or a whole segmentation model's (`backbone.`
+    keys). Every backbone tensor must be in the file with its shape: otherwise a one-line error."""
+    backbone = getattr(model, "backbone", None)
+    if not isinstance(backbone, nn.Module):
+        raise ConfigError("model.weights_scope=backbone: this model has no `backbone`; use model.weights_scope=model")
+    state = {_strip_prefixes(key): value for key, value in read_state_dict(Path(path)).items()}
+    own = backbone.state_dict()
+    candidates = [{key.removeprefix(prefix): value for key, value in state.items() if key.startswith(prefix)}
+                  for prefix in ("", "backbone.", "features.")]
+    found = max(candidates, key=lambda candidate: len(candidate.keys() & own.keys()))
+    missing = sorted(own.keys() - found.keys())
+    reshaped = [f"{key} {list(found[key].shape)} vs {list(own[key].shape)}"
+                for key in sorted(own.keys() & found.keys()) if found[key].shape != own[key].shape]
+    if missing or reshaped:
+        raise ConfigError(f"model.weights_path={path}: does not fit this model's backbone (check model.name and the "
+                          f"data's channels): missing keys {missing[:5]}, different shapes {reshaped[:5]} (first 5 of each)")
+    backbone.load_state_dict({key: found[key] for key in own})
+    log.info("loaded the backbone's weights from %s (%d of its tensors unused: its heads)", path, len(state) - len(own))
