@@ -35,21 +35,14 @@ class RankZeroWriter:
 
     def add_hparams(self, hparam_dict: dict[str, Any], metric_dict: dict[str, float], step: int) -> None:
         """Written into this run's own event dir, unlike SummaryWriter.add_hparams, which opens a
-        timestamped subdir; so every job of a sweep shows as one row of one HParams table. They go into
-        an event file of their own that replaces an earlier attempt's: TensorBoard shows the first
-        hparams it reads in a dir, and a resumed run's (its LR, its length) are the ones that hold."""
+        timestamped subdir; so every job of a sweep shows as one row of one HParams table."""
         if self.writer is None:
             return
         from torch.utils.tensorboard.summary import hparams
-        from torch.utils.tensorboard.writer import FileWriter
 
-        earlier = list(Path(self.writer.log_dir).glob("events.out.tfevents.*.hparams"))
-        file_writer = FileWriter(self.writer.log_dir, filename_suffix=".hparams")
+        file_writer = self.writer._get_file_writer()
         for summary in hparams(hparam_dict, metric_dict):
             file_writer.add_summary(summary)
-        file_writer.close()
-        for path in earlier:
-            path.unlink(missing_ok=True)
         for tag, value in metric_dict.items():
             self.writer.add_scalar(tag, value, step)
 
