@@ -8,6 +8,7 @@ it is measured, is the task's (task=classification: an image classifier; tasks/)
 """
 
 import contextlib
+import functools
 import logging
 import os
 import random
@@ -38,7 +39,7 @@ from ddp.monitor import RunMonitor
 from ddp.preemption import resume_command
 from ddp.process_group import all_reduce_sum, process_group, replicas_identical, resolve_backend
 from ddp.rank_zero import quiet_console_on_other_ranks
-from ddp.resume import Position, check_update_state_fits, find_resume_checkpoint, load_model_state, restore_rank_state, resume_training
+from ddp.resume import Position, check_update_state_fits, find_resume_checkpoint, load_model_state, resume_training
 from ddp.results import log_hparams, log_results, training_results, write_results
 from ddp.run_dir import register_resolvers
 from ddp.syncbn import warn_if_syncbn_without_ddp
@@ -151,7 +152,7 @@ def train(cfg: DictConfig, env: DistEnv, update: UpdateStep, train_loader, posit
         start_epoch(train_loader, position.epoch, cfg.seed, env.rank, position.epoch_start)
         # as many as the full epoch, but a resumed epoch that starts part-way may have one fewer
         epoch_batches = min(len(train_loader), length.batches_per_epoch)
-        restore = (lambda state=rank_state: restore_rank_state(state, checkpointer.cuda_devices)) if rank_state else None
+        restore = functools.partial(checkpointer.restore_rank_state, rank_state) if rank_state else None
         batches = iterate_from(train_loader, position.batch_in_epoch, epoch_batches, on_resume=restore)
         rank_state = None
         record_batch = recorder.start_epoch(train_loader.sampler, position.epoch) if recorder else None
@@ -170,8 +171,7 @@ def train(cfg: DictConfig, env: DistEnv, update: UpdateStep, train_loader, posit
 
         loss_sum, count = all_reduce_sum(position.epoch_totals.clone()).tolist()
         metrics = {"train_loss": loss_sum / max(count, 1)}
-        monitor.writer.add_scalar("train/epoch_loss", metrics["train_loss"], position.global_step)
-        monitor.writer.add_scalar("train/epoch_time_s", time.perf_counter() - epoch_started, position.global_step)
+        monitor.log_epoch(position.global_step, metrics["train_loss"], epoch_time_s=time.perf_counter() - epoch_started)
         last_epoch = position.epoch == trainer.max_epochs - 1 or position.global_step >= length.max_steps
         if (position.epoch + 1) % trainer.val_every_n_epochs == 0 or last_epoch:
             metrics |= validator.validate()

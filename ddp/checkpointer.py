@@ -8,7 +8,7 @@ from torch import nn
 
 from ddp.checkpoint import save_step_checkpoint
 from ddp.env import DistEnv
-from ddp.resume import Position, capture_rank_state, checkpoint_state, gather_rank_states
+from ddp.resume import Position, capture_rank_state, checkpoint_state, gather_rank_states, restore_rank_state
 
 
 class Checkpointer:
@@ -42,6 +42,10 @@ class Checkpointer:
         if dist.is_initialized():
             dist.barrier()  # nobody runs ahead (or exits) before the checkpoint exists
         self.saved_step = position.global_step
+
+    def restore_rank_state(self, rank_state: dict) -> None:
+        """This rank's RNG and loader state as a checkpoint saved it (resume_position's rank_state)."""
+        restore_rank_state(rank_state, self.cuda_devices)
 
     def save_if_unsaved(self, position: Position) -> None:
         if self.saved_step != position.global_step:

@@ -67,6 +67,10 @@ class RunMonitor:
         """The throughput clock stops: the epoch-end work isn't training."""
         self.meter.pause()
 
+    def log_epoch(self, step: int, train_loss: float, epoch_time_s: float) -> None:
+        self.writer.add_scalar("train/epoch_loss", train_loss, step)
+        self.writer.add_scalar("train/epoch_time_s", epoch_time_s, step)
+
     @contextlib.contextmanager
     def paused(self) -> Iterator[None]:
         """Work that isn't training (a periodic save) stays out of the throughput."""
