@@ -1,7 +1,17 @@
-"""The README stays a short newcomer's page, and every relative link in it and in docs/ leads
-somewhere: to a file of the repository and, with a `#anchor`, to a heading of that file."""
+"""The README stays a short newcomer's page; every relative link in it and in docs/ leads
+somewhere (a file of the repository and, with a `#anchor`, a heading of that file); and every
+documented command names Makefile targets that exist and config keys, groups and options that compose."""
 import re
+import shlex
 from pathlib import Path
+
+import pytest
+from hydra import compose, initialize_config_dir
+from hydra.core.override_parser.overrides_parser import OverridesParser
+
+from ddp.config import register_configs
+
+register_configs()
 
 REPO = Path(__file__).resolve().parents[1]
 README_MAX_LINES = 300
@@ -80,6 +90,74 @@ def test_every_docs_page_is_reachable_from_the_readme():
 
 
 def test_headings_give_the_anchors_a_reader_links_to():
-    assert {"adding-a-model", "adding-a-dataset", "adding-a-task", "options", "layout"} <= anchors(REPO / "README.md")
+    readme_anchors = anchors(REPO / "README.md")
+    assert {"adding-a-model", "adding-a-dataset", "adding-a-task", "options", "layout"} <= readme_anchors
     assert slug("`mode=eval` and `resume`") == "modeeval-and-resume"
     assert "elastic-scale-down" in anchors(REPO / "docs" / "fault-tolerance.md")
+
+
+def code_lines(page: Path) -> list[tuple[int, str]]:
+    """The lines of the page's ```bash blocks with their line numbers, continuations joined and
+    comments dropped."""
+    lines, fenced, joined, start = [], False, "", 0
+    for number, line in enumerate(page.read_text().splitlines(), start=1):
+        if line.lstrip().startswith("```"):
+            fenced = not fenced and line.strip() == "```bash"
+            continue
+        if fenced:
+            start = start or number
+            joined += line.split(" #")[0].rstrip() if not line.lstrip().startswith("#") else ""
+            if joined.endswith("\\"):
+                joined = joined[:-1]
+            else:
+                if joined.strip():
+                    lines.append((start, joined.strip()))
+                joined, start = "", 0
+    return lines
+
+
+def train_commands() -> list[tuple[str, list[str]]]:
+    """Each documented launch of train.py (or of the sbatch script that runs it) and its overrides.
+    Those with a `<placeholder>` are left out; a `...` ("and more") is dropped."""
+    found = []
+    for page in pages():
+        for number, line in code_lines(page):
+            words = shlex.split(line)
+            scripts = [i for i, word in enumerate(words) if word.endswith(("train.py", ".sbatch"))]
+            if not scripts or "<" in line:
+                continue
+            args = words[scripts[0] + 1:]
+            found.append((f"{page.relative_to(REPO)}:{number}", [a for a in args if a != "..."]))
+    return found
+
+
+def first_of_each_sweep(args: list[str]) -> list[str]:
+    """The overrides of a multirun's first job; Hydra's own (`hydra.*`, `hydra/...`) are the launcher's."""
+    overrides = [a for a in args if "=" in a and not a.startswith("-") and not a.startswith("hydra")]
+    first = []
+    for override in OverridesParser.create().parse_overrides(overrides):
+        if override.is_sweep_override():
+            first.append(f"{override.get_key_element()}={next(override.sweep_string_iterator())}")
+        else:
+            first.append(override.input_line)
+    return first
+
+
+@pytest.mark.parametrize("args", [pytest.param(args, id=where) for where, args in train_commands()])
+def test_documented_command_composes(args):
+    """Every key, group and option a documented command sets exists and takes its value."""
+    with initialize_config_dir(config_dir=str(REPO / "conf"), version_base="1.3"):
+        compose("config", overrides=first_of_each_sweep(args))
+
+
+def test_documented_make_targets_exist():
+    targets = set(re.findall(r"^([a-z][a-z-]*):", (REPO / "Makefile").read_text(), re.M))
+    missing = []
+    for page in pages():
+        spans = [span for line in prose_lines(page) for span in re.findall(r"`([^`]*)`", line)]
+        code = spans + [line for _, line in code_lines(page)]
+        for target in {t for snippet in code for t in re.findall(r"(?:^|\s)make ([a-z][a-z-]*)", snippet)}:
+            if target not in targets:
+                missing.append(f"{page.relative_to(REPO)}: make {target}")
+    assert not missing, missing
+    assert len(train_commands()) > 20  # the extraction above sees the documented commands
