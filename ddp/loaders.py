@@ -193,7 +193,7 @@ def build_train_loader(dataset: Dataset, data_cfg, env: DistEnv, seed: int, pin_
         sampler=sampler,
         num_workers=data_cfg.num_workers,
         pin_memory=pin_memory,
-        # Its own generator, so the loader never draws from the global RNG (see the README on resume).
+        # Its own generator, so the loader never draws from the global RNG (see docs/fault-tolerance.md).
         generator=torch.Generator(),
     )
 

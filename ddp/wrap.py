@@ -23,7 +23,7 @@ def prepare_model(model: nn.Module, strategy_cfg, env: DistEnv, device: torch.de
     if syncbn and strategy_cfg.name == "ddp":
         model = convert_syncbn(model, device)
     raw_model, ema = model, build_ema(model, ema_decay)
-    # Compiled before wrapping, as timm does (the two orders measured alike on CPU: README, Recipes).
+    # Compiled before wrapping, as timm does (the two orders measured alike on CPU: docs/recipes.md).
     # Checkpoints hold raw_model's plain keys, never torch.compile's `_orig_mod.` ones.
     trained = torch.compile(model, mode=compile_mode) if compile else model
     return wrap_model(trained, strategy_cfg, env, device), raw_model, trained, ema
