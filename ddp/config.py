@@ -17,6 +17,23 @@ class ConfigError(ValueError):
 
 
 @dataclass
+class TaskConfig:
+    """What the model is trained for (tasks/__init__.py): its loss, evaluation sums and metrics."""
+
+    _target_: str = MISSING  # called with num_classes= and class_names= taken from the data, and the keys below
+    objective: str = MISSING  # the results key main returns: what a sweep and Optuna optimise, e.g. val_accuracy
+    direction: str = "maximize"  # maximize | minimize: the objective's direction
+
+
+@dataclass
+class ClassificationTaskConfig(TaskConfig):
+    # Interpolated from where users set them (trainer.*, data.*), so those keys keep working.
+    label_smoothing: float = 0.0
+    mixup_alpha: float = 0.0
+    cutmix_alpha: float = 0.0
+
+
+@dataclass
 class StrategyConfig:
     name: str = MISSING  # single | dp | ddp, set by the strategy/<name>.yaml option
     timeout_s: float = 1800.0  # process-group timeout; a rank stuck in a collective fails after this
@@ -209,6 +226,7 @@ class TrainConfig:
     data: DataConfig = MISSING
     optim: OptimConfig = MISSING
     scheduler: SchedulerConfig = MISSING
+    task: TaskConfig = MISSING
     trainer: TrainerConfig = field(default_factory=TrainerConfig)
     ema: EMAConfig = field(default_factory=EMAConfig)
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
@@ -239,6 +257,7 @@ SCHEMAS = {
     },
     "optim": {"sgd": SGDConfig, "adam": AdamConfig, "adamw": AdamConfig},
     "scheduler": {"none": SchedulerConfig, "cosine": CosineSchedulerConfig, "step": StepSchedulerConfig},
+    "task": {"classification": ClassificationTaskConfig},
 }
 
 
@@ -293,6 +312,7 @@ LR_SCALINGS = ("none", "linear", "sqrt")
 # DDP ranks act on SIGTERM at log steps; this many steps must fit in trainer.stop_deadline_s.
 MAX_LOG_EVERY_N_STEPS = 100
 BACKENDS = ("auto", "nccl", "gloo")
+DIRECTIONS = ("maximize", "minimize")
 
 
 def _check(ok: bool, message: str) -> None:
@@ -355,6 +375,8 @@ def validate(cfg: Any, *, launched: bool, world_size: int) -> None:
     _check(cfg.fault.slow_rank < world_size, f"fault.slow_rank={cfg.fault.slow_rank}: there are only {world_size} ranks")
     _check(cfg.fault.slow_rank < 0 or cfg.fault.slow_ms > 0, f"fault.slow_rank={cfg.fault.slow_rank} needs fault.slow_ms > 0")
     _check(cfg.fault.slow_val_ms >= 0, f"fault.slow_val_ms={cfg.fault.slow_val_ms}: must be >= 0")
+    _check(cfg.task.direction in DIRECTIONS,
+           f"task.direction={cfg.task.direction}: unknown, use one of {', '.join(DIRECTIONS)}")
     _check(cfg.mode in MODES, f"mode={cfg.mode}: unknown, use one of {', '.join(MODES)}")
     _check(cfg.data.split in SPLITS, f"data.split={cfg.data.split}: unknown, use one of {', '.join(SPLITS)}")
     if cfg.mode == "eval":

@@ -13,6 +13,7 @@ from torch import nn
 from ddp.checkpoint import CheckpointError, load_checkpoint, load_latest_checkpoint
 from ddp.config import ConfigError
 from ddp.loaders import resume_point
+from ddp.update import resume_schedule
 
 log = logging.getLogger(__name__)
 
@@ -95,6 +96,17 @@ def resume_position(path: Path, checkpoint: dict[str, Any], batch_size: int, wor
     log.info("resumed from %s at epoch %d, batch %d, step %d (%d samples of the epoch trained)",
              path, position.epoch, position.batch_in_epoch, position.global_step, samples)
     return position, rank_state
+
+
+def resume_training(resumed: tuple[Path, dict[str, Any]], update, base_lr: float, total_updates: int, batch_size: int,
+                    world_size: int, rank: int, train_size: int) -> tuple[Position, dict[str, Any] | None]:
+    """Load the optimizer, scheduler, GradScaler and EMA states of the checkpoint `resumed` (path, checkpoint)
+    into `update` (an UpdateStep), to go on at this run's base LR and length; returns `resume_position`'s."""
+    path, checkpoint = resumed
+    update.optimizer.load_state_dict(checkpoint["optimizer"])
+    update.load_state_dict(checkpoint)
+    resume_schedule(update.optimizer, update.scheduler, base_lr, total_updates)
+    return resume_position(path, checkpoint, batch_size, world_size, rank, train_size)
 
 
 def find_resume_checkpoint(resume: str | None, run_dir: Path, restarted: bool) -> tuple[Path, dict[str, Any]] | None:

@@ -7,11 +7,9 @@ import copy
 import logging
 import math
 import warnings
-from collections.abc import Callable
 
 import torch
 import torch.distributed as dist
-import torch.nn.functional as F
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 from torch.optim import lr_scheduler
@@ -30,9 +28,9 @@ class Diverged(RuntimeError):
 class UpdateStep:
     """One optimizer update from a group of micro-batches.
 
-    Every micro-batch: MixUp/CutMix if on, forward under autocast, the (label-smoothed) cross-entropy
-    against the hard or mixed targets, divided by the number of micro-batches in its
-    group (the last group of an epoch may be shorter), backward (through the GradScaler for fp16).
+    Every micro-batch: the task's training batch transforms (MixUp/CutMix for classification), forward
+    and the task's loss under autocast, divided by the number of micro-batches in its group (the last
+    group of an epoch may be shorter), backward (through the GradScaler for fp16).
     Under DDP the forward and backward of all but the group's last micro-batch run inside
     no_sync(), so gradients are all-reduced once per update. After the last one: unscale (fp16) ->
     clip -> optimizer step (through the scaler) -> scaler update -> zero_grad -> scheduler step ->
@@ -44,13 +42,11 @@ class UpdateStep:
     sync every step.
     """
 
-    def __init__(self, model: nn.Module, optimizer: torch.optim.Optimizer, *, device: torch.device, precision: str,
+    def __init__(self, model: nn.Module, optimizer: torch.optim.Optimizer, *, task, device: torch.device, precision: str,
                  scheduler: lr_scheduler.LRScheduler | None = None, clip_norm: float | None = None,
-                 ema: "EMA | None" = None, channels_last: bool = False, label_smoothing: float = 0.0,
-                 batch_mix: Callable | None = None):
+                 ema: "EMA | None" = None, channels_last: bool = False):
         self.model, self.optimizer, self.scheduler, self.ema = model, optimizer, scheduler, ema
-        self.label_smoothing = label_smoothing
-        self.batch_mix = batch_mix  # (images, labels) -> (images, soft targets), e.g. data.mix.build_batch_mix's
+        self.task = task  # its train_batch and loss (tasks/__init__.py)
         self.device = device
         self.autocast_dtype = AUTOCAST_DTYPES[precision]
         self.scaler = torch.amp.GradScaler(device.type) if precision == "16" else None
@@ -67,18 +63,17 @@ class UpdateStep:
         self.precision = precision
         self.checked_step = 0  # every loss up to this update was finite
 
-    def micro_step(self, images: torch.Tensor, labels: torch.Tensor, micro_index: int, group_size: int) -> torch.Tensor:
+    def micro_step(self, images: torch.Tensor, targets: torch.Tensor, micro_index: int, group_size: int) -> torch.Tensor:
         """Forward and backward of one micro-batch; the update itself after the group's last. Returns the loss."""
         images = images.to(self.device, non_blocking=True, memory_format=self.memory_format)
-        targets = labels.to(self.device, non_blocking=True)
-        if self.batch_mix is not None:
-            images, targets = self.batch_mix(images, targets)  # soft targets: class probabilities
-            images = images.contiguous(memory_format=self.memory_format)  # mixing may return another layout
+        targets = targets.to(self.device, non_blocking=True)
+        images, targets = self.task.train_batch(images, targets)
+        images = images.contiguous(memory_format=self.memory_format)  # a transform may return another layout
         last = micro_index == group_size - 1
         accumulate_locally = not last and isinstance(self.model, DistributedDataParallel)
         with self.model.no_sync() if accumulate_locally else contextlib.nullcontext():
             with torch.autocast(self.device.type, dtype=self.autocast_dtype, enabled=self.autocast_dtype is not None):
-                loss = F.cross_entropy(self.model(images), targets, label_smoothing=self.label_smoothing)
+                loss = self.task.loss(self.model(images), targets)
             scaled = loss / group_size
             (self.scaler.scale(scaled) if self.scaler else scaled).backward()
         self.finite.mul_(torch.isfinite(loss.detach()))

@@ -1,4 +1,5 @@
-"""Wrapping the model for the chosen strategy, and unwrapping it for saving and evaluation."""
+"""Preparing the model for training and wrapping it for the chosen strategy, and unwrapping it for
+saving and evaluation."""
 
 import logging
 
@@ -7,8 +8,25 @@ from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 
 from ddp.env import DistEnv
+from ddp.syncbn import convert_syncbn
+from ddp.update import EMA, build_ema
 
 log = logging.getLogger(__name__)
+
+
+def prepare_model(model: nn.Module, strategy_cfg, env: DistEnv, device: torch.device, *, channels_last: bool, syncbn: bool,
+                  ema_decay: float | None, compile: bool, compile_mode: str | None) -> tuple[nn.Module, nn.Module, nn.Module, EMA | None]:
+    """(the model that trains, wrapped; the bare model that checkpoints hold; the module compiled, or
+    not; its EMA or None), in this order: device and memory format, SyncBN (strategy=ddp), the EMA's
+    copy, torch.compile, the strategy's wrapper."""
+    model = model.to(device, memory_format=torch.channels_last if channels_last else torch.preserve_format)
+    if syncbn and strategy_cfg.name == "ddp":
+        model = convert_syncbn(model, device)
+    raw_model, ema = model, build_ema(model, ema_decay)
+    # Compiled before wrapping, as timm does (the two orders measured alike on CPU: docs/recipes.md).
+    # Checkpoints hold raw_model's plain keys, never torch.compile's `_orig_mod.` ones.
+    trained = torch.compile(model, mode=compile_mode) if compile else model
+    return wrap_model(trained, strategy_cfg, env, device), raw_model, trained, ema
 
 
 def wrap_model(model: nn.Module, strategy_cfg, env: DistEnv, device: torch.device) -> nn.Module:

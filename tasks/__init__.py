@@ -1,3 +1,29 @@
-"""Tasks: what a model is trained for. Each task module holds its loss, its evaluation sums (one
-fixed-size tensor per batch, so exact evaluation is one all_reduce at any world size) and the
-metrics computed from those sums."""
+"""Tasks: what a model is trained for. A task owns everything the loop must not name: the loss, the
+training-only batch transforms, the evaluation statistics, the metrics computed from them, the metric
+a sweep optimises and its direction, and its TensorBoard extras. Pick one with `task=<name>`
+(conf/task/<name>.yaml); the recipe builds it once per run as
+
+    task = instantiate_checked(cfg.task, "task", num_classes=splits.num_classes, class_names=splits.class_names)
+
+A task is any object with these members (duck-typed; tasks/classification.py is the reference):
+
+    objective: str    the results key `main` returns and a sweep optimises, e.g. "val_accuracy"
+    direction: str    "maximize" | "minimize": the objective's direction (Optuna's, via ${task.direction})
+
+    train_batch(images, targets) -> (images, targets)
+        Training-only batch transforms on the device, before the forward (MixUp/CutMix give soft
+        targets); the batch unchanged when there are none.
+    loss(output, targets) -> Tensor
+        The scalar mean loss of this micro-batch, differentiable. `output` is model(images) as the
+        model returns it (a dict {"out", "aux"} for torchvision's segmentation models).
+    eval_sums(output, targets) -> Tensor
+        A 1-D float64 tensor of sums over this batch's samples, on the output's device, of one fixed
+        length for the whole run, computed without a host sync. Sums add up: summed over batches and
+        then over ranks (one all_reduce) they are exactly the sums of the whole split, at any world size.
+    metrics(sums) -> dict[str, float]
+        The metrics from the summed sums, keys without a split prefix; must include "loss" and
+        "samples". evaluate() prefixes "val_" (mode=eval renames it to the split's, EMA weights get "val_ema_").
+    log_validation(writer, model, dataset, device, step) -> None
+        TensorBoard extras after each validation. Called on every rank with the bare model in eval
+        mode; the writer does nothing off rank 0, so work only where it is active, and run no collective.
+"""

@@ -104,6 +104,8 @@ def _resnet18_weights(tmp: Path) -> Path:
 OUR_ERRORS = {
     "unknown_top_level_key": (QUICK + ["+typo=1"], "typo", "unknown key", None),
     "unknown_nested_key": (QUICK + ["+data.typo=1"], "data.typo", "unknown key", None),
+    "unknown_task_key": (QUICK + ["+task.typo=1"], "task.typo", "unknown key", None),
+    "unknown_task_direction": (QUICK + ["task.direction=up"], "task.direction=up", "unknown, use one of maximize, minimize", None),
     "nccl_without_cuda": (QUICK + ["backend=nccl"], "backend=nccl", "needs CUDA", None),
     "unknown_backend": (QUICK + ["backend=foo"], "backend=foo", "unknown, use one of auto, nccl, gloo", None),
     "zero_batch_size": (QUICK + ["data.batch_size=0"], "data.batch_size=0", "must be > 0", None),
@@ -246,7 +248,7 @@ def test_our_config_errors_name_the_key_before_anything_starts(tmp_path, monkeyp
 
 # One case of each kind of check: the schema walk, a data builder, the model's own constructor, and
 # the dry forward pass; all the way through the command line.
-CLI_CASES = ["zero_batch_size", "unknown_nested_key", "imagefolder_without_splits", "model_rejects_a_value",
+CLI_CASES = ["zero_batch_size", "unknown_nested_key", "unknown_task_key", "imagefolder_without_splits", "model_rejects_a_value",
              "image_the_model_cannot_take", "warmup_longer_than_the_run"]
 
 
@@ -269,6 +271,7 @@ HYDRA_ERRORS = {
     "unknown_strategy": (["strategy=nope"], "Could not find 'strategy/nope'"),
     "unknown_model": (["model=nope"], "Could not find 'model/nope'"),
     "unknown_data": (["data=nope"], "Could not find 'data/nope'"),
+    "unknown_task": (["task=nope"], "Could not find 'task/nope'"),
     "batch_size_not_an_int": (QUICK + ["data.batch_size=abc"], "data.batch_size"),
     "max_epochs_not_an_int": (QUICK + ["trainer.max_epochs=abc"], "trainer.max_epochs"),
     "syncbn_not_a_bool": (QUICK + ["syncbn=maybe"], "syncbn"),

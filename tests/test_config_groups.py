@@ -33,6 +33,7 @@ OPTIONS = {
     },
     "optim": {"sgd": schema.SGDConfig, "adam": schema.AdamConfig, "adamw": schema.AdamConfig},
     "scheduler": {"none": schema.SchedulerConfig, "cosine": schema.CosineSchedulerConfig, "step": schema.StepSchedulerConfig},
+    "task": {"classification": schema.ClassificationTaskConfig},
 }
 ALL_OPTIONS = [(group, option) for group, options in OPTIONS.items() for option in options]
 
@@ -45,6 +46,7 @@ DEFAULT_KEYS = {
     "data.val_fraction", "data.split_seed",
     "optim._target_", "optim.lr", "optim.lr_scaling", "optim.reference_batch_size", "optim.momentum", "optim.weight_decay",
     "optim.nesterov", "scheduler.name", "scheduler.warmup_steps", "scheduler.warmup_epochs",
+    "task._target_", "task.objective", "task.direction", "task.label_smoothing", "task.mixup_alpha", "task.cutmix_alpha",
     "trainer.max_epochs", "trainer.max_steps", "trainer.accumulate_grad_batches", "trainer.global_batch_size",
     "trainer.gradient_clip_norm",
     "trainer.label_smoothing",
@@ -78,6 +80,7 @@ OPTION_KEYS = {
     ("scheduler", "none"): {"name", "warmup_steps", "warmup_epochs"},
     ("scheduler", "cosine"): {"name", "warmup_steps", "warmup_epochs", "min_lr"},
     ("scheduler", "step"): {"name", "warmup_steps", "warmup_epochs", "milestones", "gamma"},
+    ("task", "classification"): {"_target_", "objective", "direction", "label_smoothing", "mixup_alpha", "cutmix_alpha"},
 }
 
 OPTIMIZERS = {"sgd": torch.optim.SGD, "adam": torch.optim.Adam, "adamw": torch.optim.AdamW}

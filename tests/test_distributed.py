@@ -14,8 +14,9 @@ from ddp.env import DistEnv
 from ddp.loaders import build_val_loader
 from models import build_model
 from models.small_cnn import SmallCNN
-from train import evaluate
+from ddp.evaluation import evaluate
 from workers.evaluate_shards import evaluate_fixed_model
+from tasks.classification import ClassificationTask
 
 
 def test_two_ranks_match_one_process_with_the_global_batch(ddp_run, single_run):
@@ -53,7 +54,7 @@ def test_reported_metrics_are_those_of_the_saved_model(plain_ddp_run):
     splits = build_datasets(cfg.data)
     model = build_model(cfg.model, splits.num_classes, splits.in_channels)
     model.load_state_dict(checkpoint["model"], strict=True)
-    metrics = evaluate(model, build_val_loader(splits.val, cfg.data, DistEnv(), pin_memory=False), torch.device("cpu"), -1)
+    metrics = evaluate(model, build_val_loader(splits.val, cfg.data, DistEnv(), pin_memory=False), torch.device("cpu"), -1, ClassificationTask())
     assert metrics["val_samples"] == results["val_samples"] == 37
     assert metrics["val_accuracy"] == results["val_accuracy"]
     assert metrics["val_loss"] == pytest.approx(results["val_loss"], rel=1e-6)  # float32 sums over other batch groupings

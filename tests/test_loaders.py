@@ -23,6 +23,7 @@ from ddp.loaders import (
 )
 from ddp.resume import Position, capture_rank_state, checkpoint_state, resume_position
 from ddp.update import UpdateStep
+from tasks.classification import ClassificationTask
 from train import TrainingLength, train_one_epoch
 
 
@@ -133,10 +134,6 @@ def test_resume_at_another_world_size_trains_each_sample_once(size, world_size, 
     assert sum(counts.values()) - size == padding
 
 
-class Stopped(Exception):
-    """The stop of a run at an update (a signal's, agreed by the ranks): the loop saves and exits there."""
-
-
 def train_epoch_part(size: int, world_size: int, accumulate: int, checkpoint: dict | None,
                      stop_at_step: int | None) -> tuple[list[list[int]], dict, bool]:
     """Every rank of a run at `world_size` trains epoch EPOCH as train.py's `fit` does: from the start,
@@ -157,21 +154,17 @@ def train_epoch_part(size: int, world_size: int, accumulate: int, checkpoint: di
         model = nn.Linear(1, 2)
         model.register_forward_pre_hook(lambda module, args, ids=ids: ids.extend(args[0][:, 0].long().tolist()))
         optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
-        update = UpdateStep(model, optimizer, device=torch.device("cpu"), precision="32")
+        update = UpdateStep(model, optimizer, task=ClassificationTask(), device=torch.device("cpu"), precision="32")
         loader = build_train_loader(dataset, LoaderConfig, DistEnv(rank=rank, world_size=world_size), 0, False)
         # fit's epoch, as it starts one and tells when it has ended
         start_epoch(loader, position.epoch, 0, rank, position.epoch_start)
         epoch_batches = min(len(loader), length.batches_per_epoch)
         batches = iterate_from(loader, position.batch_in_epoch, epoch_batches)
 
-        def after_update(global_samples: int, epoch_ends: bool, position=position) -> None:
+        # the stop of a run at an update (a signal's, agreed by the ranks): the loop saves and exits there
+        for _ in train_one_epoch(update, batches, epoch_batches, position, length, world_size):
             if position.global_step == stop_at_step:
-                raise Stopped
-
-        try:
-            train_one_epoch(update, batches, epoch_batches, position, length, 10**9, world_size, None, after_update)
-        except Stopped:
-            pass
+                break
         trained_ids.append(ids)
         ended.append(position.batch_in_epoch >= epoch_batches)
         rank_states.append(capture_rank_state(loader.generator, position.epoch_totals, []))

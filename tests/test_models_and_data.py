@@ -26,6 +26,7 @@ from ddp.loaders import build_train_loader, start_epoch
 from ddp.run_dir import SWEPT_KEYS_ENV, _job_dir_name, register_resolvers, swept_keys
 from ddp.update import UpdateStep
 from models import build_model
+from tasks.classification import ClassificationTask
 
 register_configs()
 register_resolvers()
@@ -57,7 +58,7 @@ def test_a_model_by_name_builds_and_trains_one_step(overrides):
     torch.manual_seed(0)
     model = build_model(compose_config(*overrides).model, num_classes=5, in_channels=1)
     before = {name: p.detach().clone() for name, p in model.named_parameters()}
-    update = UpdateStep(model, torch.optim.SGD(model.parameters(), lr=0.1), device=CPU, precision="32")
+    update = UpdateStep(model, torch.optim.SGD(model.parameters(), lr=0.1), task=ClassificationTask(), device=CPU, precision="32")
     for _ in range(2):
         loss = update.micro_step(torch.randn(2, 1, 32, 32), torch.tensor([0, 4]), micro_index=0, group_size=1)
         assert torch.isfinite(loss)
@@ -289,8 +290,8 @@ def test_mixed_batches_train_on_soft_targets_with_label_smoothing(mixup_alpha, c
     assert targets.shape == (6, 4) and torch.allclose(targets.sum(dim=1), torch.ones(6))
     assert not torch.equal(targets, F.one_hot(labels, 4).float())  # soft, not the hard labels
     expected = F.cross_entropy(model(mixed), targets, label_smoothing=0.1)
-    update = UpdateStep(model, torch.optim.SGD(model.parameters(), lr=0.0), device=CPU, precision="32",
-                        label_smoothing=0.1, batch_mix=mix)
+    task = ClassificationTask(4, label_smoothing=0.1, mixup_alpha=mixup_alpha, cutmix_alpha=cutmix_alpha)
+    update = UpdateStep(model, torch.optim.SGD(model.parameters(), lr=0.0), task=task, device=CPU, precision="32")
     torch.manual_seed(5)
     assert torch.equal(update.micro_step(images, labels, micro_index=0, group_size=1), expected.detach())
 

@@ -18,9 +18,10 @@ from ddp.loaders import build_val_loader
 from ddp.update import build_ema
 from models import build_model
 from models.small_cnn import SmallCNN
-from train import evaluate
+from ddp.evaluation import evaluate
 from test_fault_tolerance import _clean_env, assert_bit_identical, assert_same_state, last_checkpoint
 from test_update import cosine_with_warmup
+from tasks.classification import ClassificationTask
 
 # Everything on, under 2-rank DDP, on a folder of 4 x 32 training PNGs read by 2 workers per rank:
 # 8 micro-batches of 8 per rank and epoch, 2 per update: 4 updates per epoch, 8 in all; a checkpoint
@@ -76,7 +77,7 @@ def test_the_checkpointed_ema_is_the_one_reported_and_not_the_model(recipe_run):
     model = build_model(cfg.model, splits.num_classes, splits.in_channels).to(memory_format=torch.channels_last)
     ema = build_ema(model, cfg.ema.decay)
     ema.load_state_dict(checkpoint["ema"])
-    metrics = evaluate(ema.module, build_val_loader(splits.val, cfg.data, DistEnv(), pin_memory=False), torch.device("cpu"), -1)
+    metrics = evaluate(ema.module, build_val_loader(splits.val, cfg.data, DistEnv(), pin_memory=False), torch.device("cpu"), -1, ClassificationTask())
     assert metrics["val_samples"] == results["val_samples"] == 36
     assert metrics["val_accuracy"] == results["val_ema_accuracy"]
     assert metrics["val_loss"] == pytest.approx(results["val_ema_loss"], rel=1e-6)  # float32 sums over other batch groupings

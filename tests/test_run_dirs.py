@@ -19,7 +19,8 @@ from ddp.loaders import build_val_loader
 from ddp.run_dir import _holder, _prune_dead_claims
 from models import build_model
 from test_fault_tolerance import _clean_env, assert_same_state, last_checkpoint
-from train import evaluate
+from ddp.evaluation import evaluate
+from tasks.classification import ClassificationTask
 
 
 def start_together(commands: list[list[str]], cwd, env: dict | None = None) -> list[subprocess.CompletedProcess]:
@@ -36,7 +37,7 @@ def evaluate_checkpoint(run_dir) -> dict:
     splits = build_datasets(cfg.data)
     model = build_model(cfg.model, splits.num_classes, splits.in_channels)
     model.load_state_dict(checkpoint["model"], strict=True)
-    return evaluate(model, build_val_loader(splits.val, cfg.data, DistEnv(), pin_memory=False), torch.device("cpu"), -1)
+    return evaluate(model, build_val_loader(splits.val, cfg.data, DistEnv(), pin_memory=False), torch.device("cpu"), -1, ClassificationTask())
 
 
 def test_four_runs_started_together_get_four_dirs_each_holding_its_own_run(tmp_path):

@@ -271,6 +271,19 @@ def test_optuna_search_over_ddp_trials_every_rank_trains_the_sampled_values(tmp_
     assert optuna_results["best_value"] == pytest.approx(float(best["val_accuracy"]), rel=1e-12)
 
 
+def test_optuna_optimises_the_tasks_objective_in_its_direction(tmp_path):
+    """main returns results[task.objective], and the sweeper takes task.direction: minimising val_loss,
+    Optuna's best is the trial with the lowest val_loss (with the defaults it would be an accuracy, and the highest)."""
+    result = launch(["-m", "hparams_search=optuna", "hydra.sweeper.n_trials=2", "task.objective=val_loss",
+                     "task.direction=minimize", *SMALL], tmp_path)
+    check(result)
+    sweep_dir = the_sweep_dir(tmp_path)
+    val_losses = [results_of(job_dir)["val_loss"] for job_dir in job_dirs(sweep_dir)]
+    assert len(val_losses) == 2 and val_losses[0] != val_losses[1], val_losses
+    optuna_results = yaml.safe_load((sweep_dir / "optimization_results.yaml").read_text())
+    assert optuna_results["best_value"] == min(val_losses)
+
+
 # --- 7. Optuna under torchrun ------------------------------------------------------------------
 
 def test_optuna_under_torchrun_is_refused_before_training(tmp_path):

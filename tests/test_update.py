@@ -12,8 +12,10 @@ from omegaconf import OmegaConf
 from torch import nn
 from torch.optim.swa_utils import AveragedModel, get_ema_multi_avg_fn
 
+from ddp.evaluation import evaluate
 from ddp.update import UpdateStep, build_ema, build_scheduler, resume_schedule
 from models.small_cnn import SmallCNN
+from tasks.classification import ClassificationTask
 from workers.host_reads import HostReads
 
 
@@ -33,11 +35,48 @@ def test_autocast_is_really_on(precision, dtype):
     model = small_model()
     seen = []
     model.features[0].register_forward_hook(lambda module, inputs, output: seen.append(output.dtype))
-    update = UpdateStep(model, torch.optim.SGD(model.parameters(), lr=0.1), device=torch.device("cpu"), precision=precision)
+    update = UpdateStep(model, torch.optim.SGD(model.parameters(), lr=0.1), task=ClassificationTask(), device=torch.device("cpu"), precision=precision)
     update.micro_step(*batch(), micro_index=0, group_size=1)
     assert seen == [dtype]
     assert (update.scaler is not None) == (precision == "16")  # bf16 needs no GradScaler
     assert all(p.dtype == torch.float32 for p in model.parameters())  # weights stay fp32
+
+
+class SquaredError:
+    """A task that isn't classification (regression onto float targets), written against tasks/__init__.py."""
+
+    objective, direction = "val_loss", "minimize"
+
+    def train_batch(self, images, targets):
+        return images, targets
+
+    def loss(self, output, targets):
+        return ((output - targets) ** 2).mean()
+
+    def eval_sums(self, output, targets):
+        squared = ((output.double() - targets.double()) ** 2).sum()
+        return torch.stack([squared, torch.tensor(float(targets.numel()), dtype=torch.float64), torch.tensor(float(len(targets)), dtype=torch.float64)])
+
+    def metrics(self, sums):
+        return {"loss": (sums[0] / sums[1]).item(), "samples": int(sums[2])}
+
+    def log_validation(self, writer, model, dataset, device, step):
+        pass
+
+
+def test_the_update_and_evaluation_take_the_loss_and_metrics_from_the_task():
+    """Nothing in the update step or in evaluate() is classification's: a regression task trains and evaluates as is."""
+    torch.manual_seed(0)
+    model, inputs, targets = nn.Linear(3, 2), torch.randn(10, 3), torch.randn(10, 2)
+    expected_loss = ((model(inputs) - targets) ** 2).mean()
+    update = UpdateStep(model, torch.optim.SGD(model.parameters(), lr=0.1), task=SquaredError(), device=torch.device("cpu"), precision="32")
+    assert torch.equal(update.micro_step(inputs, targets, micro_index=0, group_size=1), expected_loss.detach())
+    loader = torch.utils.data.DataLoader(torch.utils.data.TensorDataset(inputs, targets), batch_size=4)
+    metrics = evaluate(model, loader, torch.device("cpu"), -1, SquaredError())
+    with torch.no_grad():
+        mean_squared = ((model(inputs).double() - targets.double()) ** 2).mean().item()
+    assert metrics.keys() == {"val_loss", "val_samples"} and metrics["val_samples"] == 10
+    assert metrics["val_loss"] == pytest.approx(mean_squared, rel=1e-12)
 
 
 def test_two_accumulated_halves_equal_one_whole_batch():
@@ -45,7 +84,7 @@ def test_two_accumulated_halves_equal_one_whole_batch():
     images, labels = batch(32)
     whole, halves = small_model("group"), small_model("group")
     for model, groups in ((whole, [(images, labels)]), (halves, [(images[:16], labels[:16]), (images[16:], labels[16:])])):
-        update = UpdateStep(model, torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9), device=torch.device("cpu"),
+        update = UpdateStep(model, torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9), task=ClassificationTask(), device=torch.device("cpu"),
                             precision="32")
         for _ in range(3):
             for index, (x, y) in enumerate(groups):
@@ -60,7 +99,7 @@ def test_updates_happen_once_per_group_and_the_schedule_steps_with_them():
     scheduler = build_scheduler(OmegaConf.create({"name": "cosine", "warmup_steps": 2, "warmup_epochs": 0, "min_lr": 0.0}),
                                 optimizer, total_updates=10, updates_per_epoch=10)
     ema = build_ema(model, 0.9)
-    update = UpdateStep(model, optimizer, device=torch.device("cpu"), precision="32", scheduler=scheduler, ema=ema)
+    update = UpdateStep(model, optimizer, task=ClassificationTask(), device=torch.device("cpu"), precision="32", scheduler=scheduler, ema=ema)
     before = copy.deepcopy(model.state_dict())
     images, labels = batch()
     for micro in range(3):
@@ -143,7 +182,7 @@ def test_a_step_the_fp16_scaler_skips_still_advances_the_schedule_and_is_no_dive
     optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
     scheduler = build_scheduler(OmegaConf.create({"name": "cosine", "warmup_steps": 2, "warmup_epochs": 0, "min_lr": 0.0}),
                                 optimizer, total_updates=10, updates_per_epoch=10)
-    update = UpdateStep(model, optimizer, device=torch.device("cpu"), precision="16", scheduler=scheduler)
+    update = UpdateStep(model, optimizer, task=ClassificationTask(), device=torch.device("cpu"), precision="16", scheduler=scheduler)
     update.scaler = torch.amp.GradScaler("cpu", init_scale=2.0**100)
     before = copy.deepcopy(model.state_dict())
     update.micro_step(*batch(), micro_index=0, group_size=1)

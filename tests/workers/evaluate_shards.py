@@ -10,7 +10,8 @@ from data.synthetic import build_synthetic
 from ddp.env import DistEnv
 from ddp.loaders import build_val_loader
 from models.small_cnn import SmallCNN
-from train import evaluate
+from ddp.evaluation import evaluate
+from tasks.classification import ClassificationTask
 
 
 class LoaderConfig:
@@ -23,7 +24,7 @@ def evaluate_fixed_model(env: DistEnv, num_val_samples: int) -> dict:
     splits = build_synthetic(16, num_val_samples, image_size=8, num_classes=10, channels=3, data_seed=0)
     torch.manual_seed(0)
     model = SmallCNN(num_classes=10, in_channels=3, channels=[8, 16])
-    return evaluate(model, build_val_loader(splits.val, LoaderConfig, env, pin_memory=False), torch.device("cpu"), -1)
+    return evaluate(model, build_val_loader(splits.val, LoaderConfig, env, pin_memory=False), torch.device("cpu"), -1, ClassificationTask())
 
 
 def main(out_path: str, num_val_samples: int) -> None:

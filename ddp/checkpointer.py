@@ -1,0 +1,52 @@
+"""The run's checkpoints: what was saved, the collective save, and when one is due."""
+
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from ddp.checkpoint import save_step_checkpoint
+from ddp.env import DistEnv
+from ddp.resume import Position, capture_rank_state, checkpoint_state, gather_rank_states, restore_rank_state
+
+
+class Checkpointer:
+    """Saves the run at an update boundary: every rank contributes its RNG and loader state, rank 0
+    writes (atomically, ddp/checkpoint.py), and nobody runs ahead before the file exists. Never saves
+    non-finite weights. Remembers the step it saved last, so the end of the run saves only if needed."""
+
+    def __init__(self, run_dir: Path, checkpoint_cfg, env: DistEnv, update, raw_model: nn.Module,
+                 loader_generator: torch.Generator, cuda_devices: list[int], *, samples_per_batch: int, train_size: int,
+                 config: dict, saved_step: int):
+        self.run_dir, self.env = run_dir, env
+        self.every_n_steps, self.keep_last = checkpoint_cfg.every_n_steps, checkpoint_cfg.keep_last
+        self.update, self.raw_model, self.optimizer = update, raw_model, update.optimizer
+        self.loader_generator, self.cuda_devices = loader_generator, cuda_devices
+        self.samples_per_batch, self.train_size = samples_per_batch, train_size
+        self.config = config  # the run's resolved config, as plain containers
+        self.saved_step = saved_step  # -1: nothing saved by this run or the one it resumes
+
+    def due(self, step: int) -> bool:
+        """A periodic save (checkpoint.every_n_steps; 0: only at the end)."""
+        return bool(self.every_n_steps) and step % self.every_n_steps == 0
+
+    def save(self, position: Position) -> None:
+        """A collective: every rank calls it at the same step."""
+        self.update.check_finite(position.global_step, self.raw_model)
+        rank_states = gather_rank_states(capture_rank_state(self.loader_generator, position.epoch_totals, self.cuda_devices))
+        if self.env.is_main:
+            state = checkpoint_state(self.raw_model, self.optimizer, self.update.state_dict(), position,
+                                     self.samples_per_batch, self.train_size, rank_states, self.config)
+            save_step_checkpoint(state, self.run_dir, position.global_step, self.keep_last)
+        if dist.is_initialized():
+            dist.barrier()  # nobody runs ahead (or exits) before the checkpoint exists
+        self.saved_step = position.global_step
+
+    def restore_rank_state(self, rank_state: dict) -> None:
+        """This rank's RNG and loader state as a checkpoint saved it (resume_position's rank_state)."""
+        restore_rank_state(rank_state, self.cuda_devices)
+
+    def save_if_unsaved(self, position: Position) -> None:
+        if self.saved_step != position.global_step:
+            self.save(position)
