@@ -60,6 +60,21 @@ class TimmModelConfig(ModelConfig):
 
 
 @dataclass
+class SmallSegNetConfig(ModelConfig):
+    width: int = 16  # channels of the first block; the later ones have twice as many
+    aux_loss: bool = True  # an auxiliary head on the backbone's features (its loss counts at task.aux_weight)
+    weights_scope: str = "model"  # model | backbone: what model.weights_path loads into
+
+
+@dataclass
+class SegmentationModelConfig(ModelConfig):
+    # fcn_resnet50 | deeplabv3_resnet50 | deeplabv3_mobilenet_v3_large | lraspp_mobilenet_v3_large
+    name: str = "deeplabv3_mobilenet_v3_large"
+    aux_loss: bool = True  # the auxiliary head, where the model has one (lraspp has none)
+    weights_scope: str = "model"  # model | backbone: what model.weights_path loads into (backbone: e.g. an ImageNet classifier's)
+
+
+@dataclass
 class DataConfig:
     _target_: str = MISSING  # returns a data.DataSplits; gets every key below except the loading keys
     batch_size: int = 32  # per process; the global batch is batch_size * world_size
@@ -108,6 +123,26 @@ class Cifar10DataConfig(DataConfig):
     augment: str = "standard"  # none | standard (padded random crop + flip) | randaugment | trivialaugment | autoaugment
     random_erase: float = 0.0
     interpolation: str = "bilinear"
+
+
+@dataclass
+class ShapesDataConfig(DataConfig):
+    num_samples: int = 512  # training images, generated on the fly (data/shapes.py)
+    num_val_samples: int = 64
+    image_size: int = 32  # square images, in pixels
+    num_classes: int = 4  # the background and num_classes - 1 shape classes
+    data_seed: int = 0  # fixes every image and mask, independent of `seed`
+    augment: bool = True  # training images get random resize, crop (masks padded with 255) and flip
+    max_shapes: int = 3  # shapes per image, at most
+
+
+@dataclass
+class VOCDataConfig(DataConfig):
+    root: str = MISSING  # holds JPEGImages/, SegmentationClass/ and ImageSets/Segmentation/{train,val}.txt
+    num_classes: int = 21  # mask values are class ids below this, or 255 (ignored)
+    base_size: int = 520  # evaluation resizes the shorter side to this; training to 0.5-2x this
+    crop_size: int = 480  # training crops, square, padded where smaller (masks with 255)
+    class_names: list[str] | None = None  # null: VOC's 21 names with num_classes=21, else class_<i>
 
 
 @dataclass
@@ -230,12 +265,14 @@ class TrainConfig:
 SCHEMAS = {
     "strategy": {"single": StrategyConfig, "dp": StrategyConfig, "ddp": StrategyConfig},
     "model": {"small_cnn": SmallCNNConfig, "resnet18": ResNet18Config, "torchvision": TorchvisionModelConfig,
-              "timm": TimmModelConfig},
+              "timm": TimmModelConfig, "small_segnet": SmallSegNetConfig, "segmentation": SegmentationModelConfig},
     "data": {
         "digits": DigitsDataConfig,
         "synthetic": SyntheticDataConfig,
         "imagefolder": ImageFolderDataConfig,
         "cifar10": Cifar10DataConfig,
+        "shapes": ShapesDataConfig,
+        "voc": VOCDataConfig,
     },
     "optim": {"sgd": SGDConfig, "adam": AdamConfig, "adamw": AdamConfig},
     "scheduler": {"none": SchedulerConfig, "cosine": CosineSchedulerConfig, "step": StepSchedulerConfig},
