@@ -86,7 +86,7 @@ class DataConfig:
 
 # Keys of DataConfig that say which split to read and how to batch and mix it, not what the dataset is:
 # the dataset builder doesn't get them.
-LOADING_KEYS = ("batch_size", "num_workers", "mixup_alpha", "cutmix_alpha", "split")
+LOADING_KEYS = ("batch_size", "num_workers", "mixup_alpha", "cutmix_alpha", "split", "val_batch_size")
 
 
 @dataclass
@@ -143,6 +143,9 @@ class VOCDataConfig(DataConfig):
     base_size: int = 520  # evaluation resizes the shorter side to this; training to 0.5-2x this
     crop_size: int = 480  # training crops, square, padded where smaller (masks with 255)
     class_names: list[str] | None = None  # null: VOC's 21 names with num_classes=21, else class_<i>
+    # Images per evaluation batch. At 1, as torchvision's reference, no image is padded: a padded one's
+    # predictions near its edges would depend on its batch-mates, and so on the world size.
+    val_batch_size: int = 1
 
 
 @dataclass
@@ -364,6 +367,8 @@ def validate(cfg: Any, *, launched: bool, world_size: int) -> None:
     _check(cfg.backend in BACKENDS, f"backend={cfg.backend}: unknown, use one of {', '.join(BACKENDS)}")
     _check(cfg.data.batch_size > 0, f"data.batch_size={cfg.data.batch_size}: must be > 0 (it is per process), e.g. data.batch_size=32")
     _check(cfg.data.num_workers >= 0, f"data.num_workers={cfg.data.num_workers}: must be >= 0")
+    if "val_batch_size" in cfg.data:
+        _check(cfg.data.val_batch_size > 0, f"data.val_batch_size={cfg.data.val_batch_size}: must be > 0, e.g. 1")
     _check(cfg.optim.lr > 0, f"optim.lr={cfg.optim.lr}: must be > 0, e.g. optim.lr=0.01")
     if "momentum" in cfg.optim:  # torch accepts any momentum >= 0; from 1 on, updates grow without bound
         momentum = cfg.optim.momentum

@@ -79,7 +79,7 @@ OPTION_KEYS = {
     ("data", "cifar10"): {*LOADING, "root", "download", "augment", "random_erase", "interpolation"},
     ("data", "shapes"): {*LOADING, "num_samples", "num_val_samples", "image_size", "num_classes", "data_seed", "augment",
                          "max_shapes"},
-    ("data", "voc"): {*LOADING, "root", "num_classes", "base_size", "crop_size", "class_names"},
+    ("data", "voc"): {*LOADING, "root", "num_classes", "base_size", "crop_size", "class_names", "val_batch_size"},
     ("optim", "sgd"): {"_target_", "lr", "lr_scaling", "reference_batch_size", "momentum", "weight_decay", "nesterov"},
     ("optim", "adam"): {"_target_", "lr", "lr_scaling", "reference_batch_size", "weight_decay"},
     ("optim", "adamw"): {"_target_", "lr", "lr_scaling", "reference_batch_size", "weight_decay"},

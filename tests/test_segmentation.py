@@ -468,3 +468,40 @@ def test_datasets_name_their_classes_and_voc_collates_its_own_batches(tmp_path):
     loader = build_val_loader(splits.val, OmegaConf.create({"batch_size": 2, "num_workers": 0}), DistEnv(), pin_memory=False)
     images, masks = next(iter(loader))  # 8 x 8 and 8 x 10: default_collate could not stack them
     assert images.shape == (2, 3, 8, 10) and masks.shape == (2, 8, 10)
+
+
+def test_voc_evaluation_is_the_same_at_any_world_size_as_shipped(tmp_path):
+    """data=voc's images differ in size; evaluated at data.val_batch_size=1 (its default) no image is
+    padded, so each rank's shard (ddp/loaders.py) sums to exactly the one-process evaluation."""
+    from hydra import compose, initialize_config_dir
+
+    from data import build_datasets
+    from ddp.config import register_configs
+    from ddp.loaders import build_val_loader
+
+    register_configs()
+    sizes = {f"{index}": (16 + 4 * (index % 3), 16 + 4 * (index % 2)) for index in range(7)}
+    _write_voc(tmp_path, sizes, {"train": ["0"], "val": list(sizes)})
+    with initialize_config_dir(config_dir=str(REPO / "conf"), version_base="1.3"):
+        cfg = compose("config", overrides=["data=voc", f"data.root={tmp_path}", "data.num_classes=4", "data.base_size=16",
+                                           "data.num_workers=0", "data.batch_size=4"])
+    assert cfg.data.val_batch_size == 1
+    splits = build_datasets(cfg.data)
+    torch.manual_seed(0)
+    model = small_segnet(4, 3, width=4).eval()
+    task = SegmentationTask(4, splits.class_names)
+
+    def evaluate(world_size):
+        sums = 0
+        for rank in range(world_size):
+            for images, masks in build_val_loader(splits.val, cfg.data, DistEnv(rank=rank, world_size=world_size), False):
+                with torch.no_grad():
+                    sums = sums + task.eval_sums(model(images), masks)
+        return sums
+
+    one = evaluate(1)
+    assert one[1].item() == 7
+    for world_size in (2, 3):
+        sums = evaluate(world_size)
+        assert torch.equal(sums[1:], one[1:]), world_size  # images and every pixel's (target, prediction)
+        assert sums[0].item() == pytest.approx(one[0].item(), rel=1e-12)  # float64 loss sums, in another order
