@@ -202,7 +202,7 @@ def build_train_loader(dataset: Dataset, data_cfg, env: DistEnv, seed: int, pin_
 def build_val_loader(dataset: Dataset, data_cfg, env: DistEnv, pin_memory: bool) -> DataLoader:
     return WorkerSafeDataLoader(
         dataset,
-        batch_size=data_cfg.get("val_batch_size") or data_cfg.batch_size,  # data=voc evaluates at 1 (ddp/config.py)
+        batch_size=getattr(data_cfg, "val_batch_size", None) or data_cfg.batch_size,  # data=voc: 1 (ddp/config.py)
         sampler=ShardSampler(len(dataset), env.world_size, env.rank),
         num_workers=data_cfg.num_workers,
         pin_memory=pin_memory,
