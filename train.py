@@ -277,7 +277,7 @@ def fit(cfg: DictConfig, env: DistEnv, device: torch.device, gpus: list[int], me
     if cfg.syncbn and distributed:
         model = convert_syncbn(model, device)
     raw_model, ema = model, build_ema(model, cfg.ema.decay)
-    # Compiled before wrapping, as timm does (the two orders measured alike on CPU: README, Recipes).
+    # Compiled before wrapping, as timm does (the two orders measured alike on CPU: docs/recipes.md).
     # Checkpoints hold raw_model's plain keys, never torch.compile's `_orig_mod.` ones.
     trained = torch.compile(model, mode=cfg.compile_mode) if cfg.compile else model
     model = wrap_model(trained, cfg.strategy, env, device)

@@ -194,7 +194,7 @@ def build_train_loader(dataset: Dataset, data_cfg, env: DistEnv, seed: int, pin_
         num_workers=data_cfg.num_workers,
         pin_memory=pin_memory,
         collate_fn=getattr(dataset, "collate_fn", None),  # None: torch's default_collate (data/__init__.py)
-        # Its own generator, so the loader never draws from the global RNG (see the README on resume).
+        # Its own generator, so the loader never draws from the global RNG (see docs/fault-tolerance.md).
         generator=torch.Generator(),
     )
 

@@ -161,7 +161,7 @@ FAKE_SCONTROL = """#!/bin/bash
 
 def test_the_sbatch_script_trains_two_nodes_as_one(one_node, tmp_path):
     """scripts/slurm/ddp.sbatch: one torchrun agent per node, c10d rendezvous (endpoint and id) on the
-    first host; the two-node c10d launch of the README."""
+    first host; the two-node c10d launch of docs/clusters.md."""
     bin_dir = tmp_path / "bin"
     bin_dir.mkdir()
     for name, text in (("srun", FAKE_SRUN), ("scontrol", FAKE_SCONTROL)):

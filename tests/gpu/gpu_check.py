@@ -138,7 +138,7 @@ def check_every_recipe_feature_does_no_host_sync_on_quiet_updates(scratch: Path)
     """RECIPE (compile, channels_last, EMA, bf16, accumulation, clipping, cosine, MixUp/CutMix, label
     smoothing, dropout) under DDP at world size 1 over nccl, with torch.cuda.set_sync_debug_mode("error")
     on from each quiet update's optimizer step to the next one: a host sync there fails the run.
-    (fp16's GradScaler.step reads its inf check every update, as the README says: bf16 here.)"""
+    (fp16's GradScaler.step reads its inf check every update, as docs/recipes.md says: bf16 here.)"""
     cwd = scratch / "recipe"
     watch = watched(RECIPE, cwd, nproc=1, env={"SYNC_ERROR_AFTER": ",".join(map(str, QUIET_UPDATES))})
     found = results(cwd)
