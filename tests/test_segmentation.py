@@ -326,7 +326,16 @@ def _evaluate(model, dataset) -> dict[str, float]:
     return segmentation_metrics(sums, dataset.classes)
 
 
-def test_small_segnet_learns_shapes_to_miou_above_half_in_seconds():
+@pytest.fixture
+def one_thread():
+    """One intra-op thread, as a test process gets on two shared cores (two made each step ~30x slower there)."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
+def test_small_segnet_learns_shapes_to_miou_above_half_in_seconds(one_thread):
     torch.manual_seed(0)
     splits = build_shapes(num_samples=256, num_val_samples=64, image_size=32, num_classes=4, data_seed=0)
     model = small_segnet(num_classes=4, in_channels=3, width=16)
