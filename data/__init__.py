@@ -1,4 +1,6 @@
-"""Datasets. Each builder returns DataSplits; add one with a module here and a conf/data/<name>.yaml."""
+"""Datasets. Each builder returns DataSplits; add one with a module here and a conf/data/<name>.yaml.
+A dataset whose samples can't go through torch's default_collate (images of different sizes) names
+its own in a `collate_fn` attribute, which the loaders use (ddp/loaders.py)."""
 
 from dataclasses import dataclass
 
@@ -14,6 +16,7 @@ class DataSplits:
     num_classes: int
     in_channels: int
     test: Dataset | None = None  # where the dataset has a test split (mode=eval data.split=test)
+    class_names: list[str] | None = None  # one per class id, where the dataset names them (e.g. val_iou/<name>)
 
 
 def build_datasets(data_cfg) -> DataSplits:

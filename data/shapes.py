@@ -80,4 +80,4 @@ def build_shapes(num_samples: int, num_val_samples: int, image_size: int, num_cl
     train = train_transforms(image_size, image_size, MEAN, STD) if augment else evaluate
     return DataSplits(Shapes(num_samples, image_size, num_classes, data_seed, "train", train, max_shapes),
                       Shapes(num_val_samples, image_size, num_classes, data_seed, "val", evaluate, max_shapes),
-                      num_classes=num_classes, in_channels=3)
+                      num_classes=num_classes, in_channels=3, class_names=class_names(num_classes))

@@ -11,7 +11,7 @@ from torch.utils.data import Dataset
 
 from data import DataSplits
 from data.presets import NORMALIZATION
-from data.segmentation_transforms import eval_transforms, train_transforms
+from data.segmentation_transforms import eval_transforms, pad_collate, train_transforms
 from ddp.config import ConfigError
 
 VOC_CLASSES = ("background", "aeroplane", "bicycle", "bird", "boat", "bottle", "bus", "car", "cat", "chair", "cow",
@@ -19,6 +19,8 @@ VOC_CLASSES = ("background", "aeroplane", "bicycle", "bird", "boat", "bottle", "
 
 
 class VOCSegmentation(Dataset):
+    collate_fn = staticmethod(pad_collate)  # images differ in size: padded to the batch's largest
+
     def __init__(self, root: Path, ids: list[str], transform, classes: list[str]):
         self.root, self.ids, self.transform, self.classes = root, ids, transform, classes
 
@@ -58,10 +60,10 @@ def build_voc(root: str, num_classes: int = 21, base_size: int = 520, crop_size:
         raise ConfigError(f"data.root={root}: not a folder; point data.root at a VOC-layout folder "
                           "(JPEGImages/, SegmentationClass/, ImageSets/Segmentation/)")
     if class_names is None:
-        class_names = list(VOC_CLASSES) if num_classes == len(VOC_CLASSES) else [str(index) for index in range(num_classes)]
+        class_names = list(VOC_CLASSES) if num_classes == len(VOC_CLASSES) else [f"class_{index}" for index in range(num_classes)]
     if len(class_names) != num_classes:
         raise ConfigError(f"data.class_names: {len(class_names)} names for data.num_classes={num_classes}")
     mean, std = NORMALIZATION["imagenet"]
     train = VOCSegmentation(folder, read_split(folder, "train"), train_transforms(base_size, crop_size, mean, std), class_names)
     val = VOCSegmentation(folder, read_split(folder, "val"), eval_transforms(base_size, mean, std), class_names)
-    return DataSplits(train, val, num_classes=num_classes, in_channels=3)
+    return DataSplits(train, val, num_classes=num_classes, in_channels=3, class_names=class_names)

@@ -77,6 +77,21 @@ class TimmModelConfig(ModelConfig):
 
 
 @dataclass
+class SmallSegNetConfig(ModelConfig):
+    width: int = 16  # channels of the first block; the later ones have twice as many
+    aux_loss: bool = True  # an auxiliary head on the backbone's features (its loss counts at task.aux_weight)
+    weights_scope: str = "model"  # model | backbone: what model.weights_path loads into
+
+
+@dataclass
+class SegmentationModelConfig(ModelConfig):
+    # fcn_resnet50 | deeplabv3_resnet50 | deeplabv3_mobilenet_v3_large | lraspp_mobilenet_v3_large
+    name: str = "deeplabv3_mobilenet_v3_large"
+    aux_loss: bool = True  # the auxiliary head, where the model has one (lraspp has none)
+    weights_scope: str = "model"  # model | backbone: what model.weights_path loads into (backbone: e.g. an ImageNet classifier's)
+
+
+@dataclass
 class DataConfig:
     _target_: str = MISSING  # returns a data.DataSplits; gets every key below except the loading keys
     batch_size: int = 32  # per process; the global batch is batch_size * world_size
@@ -88,7 +103,7 @@ class DataConfig:
 
 # Keys of DataConfig that say which split to read and how to batch and mix it, not what the dataset is:
 # the dataset builder doesn't get them.
-LOADING_KEYS = ("batch_size", "num_workers", "mixup_alpha", "cutmix_alpha", "split")
+LOADING_KEYS = ("batch_size", "num_workers", "mixup_alpha", "cutmix_alpha", "split", "val_batch_size")
 
 
 @dataclass
@@ -125,6 +140,29 @@ class Cifar10DataConfig(DataConfig):
     augment: str = "standard"  # none | standard (padded random crop + flip) | randaugment | trivialaugment | autoaugment
     random_erase: float = 0.0
     interpolation: str = "bilinear"
+
+
+@dataclass
+class ShapesDataConfig(DataConfig):
+    num_samples: int = 512  # training images, generated on the fly (data/shapes.py)
+    num_val_samples: int = 64
+    image_size: int = 32  # square images, in pixels
+    num_classes: int = 4  # the background and num_classes - 1 shape classes
+    data_seed: int = 0  # fixes every image and mask, independent of `seed`
+    augment: bool = True  # training images get random resize, crop (masks padded with 255) and flip
+    max_shapes: int = 3  # shapes per image, at most
+
+
+@dataclass
+class VOCDataConfig(DataConfig):
+    root: str = MISSING  # holds JPEGImages/, SegmentationClass/ and ImageSets/Segmentation/{train,val}.txt
+    num_classes: int = 21  # mask values are class ids below this, or 255 (ignored)
+    base_size: int = 520  # evaluation resizes the shorter side to this; training to 0.5-2x this
+    crop_size: int = 480  # training crops, square, padded where smaller (masks with 255)
+    class_names: list[str] | None = None  # null: VOC's 21 names with num_classes=21, else class_<i>
+    # Images per evaluation batch. At 1, as torchvision's reference, no image is padded: a padded one's
+    # predictions near its edges would depend on its batch-mates, and so on the world size.
+    val_batch_size: int = 1
 
 
 @dataclass
@@ -248,12 +286,14 @@ class TrainConfig:
 SCHEMAS = {
     "strategy": {"single": StrategyConfig, "dp": StrategyConfig, "ddp": StrategyConfig},
     "model": {"small_cnn": SmallCNNConfig, "resnet18": ResNet18Config, "torchvision": TorchvisionModelConfig,
-              "timm": TimmModelConfig},
+              "timm": TimmModelConfig, "small_segnet": SmallSegNetConfig, "segmentation": SegmentationModelConfig},
     "data": {
         "digits": DigitsDataConfig,
         "synthetic": SyntheticDataConfig,
         "imagefolder": ImageFolderDataConfig,
         "cifar10": Cifar10DataConfig,
+        "shapes": ShapesDataConfig,
+        "voc": VOCDataConfig,
     },
     "optim": {"sgd": SGDConfig, "adam": AdamConfig, "adamw": AdamConfig},
     "scheduler": {"none": SchedulerConfig, "cosine": CosineSchedulerConfig, "step": StepSchedulerConfig},
@@ -347,6 +387,8 @@ def validate(cfg: Any, *, launched: bool, world_size: int) -> None:
     _check(cfg.backend in BACKENDS, f"backend={cfg.backend}: unknown, use one of {', '.join(BACKENDS)}")
     _check(cfg.data.batch_size > 0, f"data.batch_size={cfg.data.batch_size}: must be > 0 (it is per process), e.g. data.batch_size=32")
     _check(cfg.data.num_workers >= 0, f"data.num_workers={cfg.data.num_workers}: must be >= 0")
+    if "val_batch_size" in cfg.data:
+        _check(cfg.data.val_batch_size > 0, f"data.val_batch_size={cfg.data.val_batch_size}: must be > 0, e.g. 1")
     _check(cfg.optim.lr > 0, f"optim.lr={cfg.optim.lr}: must be > 0, e.g. optim.lr=0.01")
     if "momentum" in cfg.optim:  # torch accepts any momentum >= 0; from 1 on, updates grow without bound
         momentum = cfg.optim.momentum

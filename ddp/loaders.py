@@ -193,6 +193,7 @@ def build_train_loader(dataset: Dataset, data_cfg, env: DistEnv, seed: int, pin_
         sampler=sampler,
         num_workers=data_cfg.num_workers,
         pin_memory=pin_memory,
+        collate_fn=getattr(dataset, "collate_fn", None),  # None: torch's default_collate (data/__init__.py)
         # Its own generator, so the loader never draws from the global RNG (see docs/fault-tolerance.md).
         generator=torch.Generator(),
     )
@@ -201,10 +202,11 @@ def build_train_loader(dataset: Dataset, data_cfg, env: DistEnv, seed: int, pin_
 def build_val_loader(dataset: Dataset, data_cfg, env: DistEnv, pin_memory: bool) -> DataLoader:
     return WorkerSafeDataLoader(
         dataset,
-        batch_size=data_cfg.batch_size,
+        batch_size=getattr(data_cfg, "val_batch_size", None) or data_cfg.batch_size,  # data=voc: 1 (ddp/config.py)
         sampler=ShardSampler(len(dataset), env.world_size, env.rank),
         num_workers=data_cfg.num_workers,
         pin_memory=pin_memory,
+        collate_fn=getattr(dataset, "collate_fn", None),
         persistent_workers=data_cfg.num_workers > 0,
         generator=torch.Generator(),
     )

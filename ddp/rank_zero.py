@@ -29,9 +29,19 @@ class RankZeroWriter:
             # purge_step: a resumed run drops the events the interrupted one logged after its checkpoint.
             self.writer = SummaryWriter(log_dir=str(log_dir), purge_step=purge_step)
 
+    @property
+    def active(self) -> bool:
+        """Whether this rank writes: work done only to be logged can be skipped where it doesn't."""
+        return self.writer is not None
+
     def add_scalar(self, tag: str, value: float, step: int) -> None:
         if self.writer is not None:
             self.writer.add_scalar(tag, value, step)
+
+    def add_image(self, tag: str, image, step: int) -> None:
+        """`image`: 3 x H x W, floats in [0, 1] (SummaryWriter.add_image's default CHW)."""
+        if self.writer is not None:
+            self.writer.add_image(tag, image, step)
 
     def add_hparams(self, hparam_dict: dict[str, Any], metric_dict: dict[str, float], step: int) -> None:
         """Written into this run's own event dir, unlike SummaryWriter.add_hparams, which opens a

@@ -8,14 +8,20 @@ Evaluation sums, one float64 tensor of 2 + num_classes**2 values per batch:
           predicted as p (torch.bincount(n * target[k] + pred[k], minlength=n * n), k the counted pixels)
 Every entry is a sum over pixels or images, so the sums of any split of the data add up to the sums
 of the whole: summing over batches and ranks (one all_reduce) is exact at any world size, and padding
-(masks at ignore_index) counts for nothing. float64 counts are exact up to 2**53 pixels."""
+(masks at ignore_index) counts for nothing. float64 counts are exact up to 2**53 pixels.
+
+SegmentationTask (task=segmentation) puts these behind the task interface (tasks/__init__.py)."""
 
 import math
 
 import torch
 from torch.nn import functional as F
 
+from torchvision.utils import make_grid
+
 from data.segmentation_transforms import IGNORE_INDEX
+from ddp.config import ConfigError
+
 HEADER = 2  # loss sum and image count, before the confusion matrix
 
 
@@ -73,3 +79,93 @@ def segmentation_metrics(sums: torch.Tensor, class_names: list[str] | None = Non
         **{f"iou/{name}": value for name, value in zip(names, iou.tolist())},
         "samples": int(sums[1].item()),
     }
+
+
+# Mask colours for the TensorBoard images: class c gets Pascal VOC's colour for c (fixed, and distinct
+# for every c < 256), ignored pixels white, which VOC's map gives to no index below 256.
+def _voc_colour(index: int) -> list[int]:
+    colour = [0, 0, 0]
+    for bit in range(8):
+        for channel in range(3):
+            colour[channel] |= ((index >> (3 * bit + channel)) & 1) << (7 - bit)
+    return colour
+
+
+PALETTE = torch.tensor([_voc_colour(index) for index in range(256)], dtype=torch.float32) / 255
+IGNORE_COLOUR = torch.ones(3)
+
+
+def colourise(mask: torch.Tensor, ignore_index: int = IGNORE_INDEX) -> torch.Tensor:
+    """An H x W mask of class ids (or ignore_index) as a 3 x H x W image in [0, 1]."""
+    counted = mask != ignore_index
+    colours = PALETTE[torch.where(counted, mask, 0).clamp(max=len(PALETTE) - 1).cpu()]
+    return torch.where(counted.cpu()[..., None], colours, IGNORE_COLOUR).permute(2, 0, 1)
+
+
+def _rescaled(image: torch.Tensor) -> torch.Tensor:
+    """A normalised image back in [0, 1], per channel by its own range (the data's mean and std aren't known here)."""
+    low = image.amin(dim=(1, 2), keepdim=True)
+    high = image.amax(dim=(1, 2), keepdim=True)
+    return ((image - low) / (high - low).clamp(min=1e-6)).cpu()
+
+
+class SegmentationTask:
+    """Per-pixel cross-entropy (plus aux_weight x the auxiliary head's), confusion-matrix sums, and
+    pixel accuracy, per-class IoU and mIoU. No batch transforms: MixUp, CutMix and label smoothing are
+    refused, since a mixed or smoothed mask has no class id per pixel for the confusion matrix."""
+
+    def __init__(self, num_classes: int, class_names: list[str] | None = None, *, objective: str = "val_miou",
+                 direction: str = "maximize", aux_weight: float = 0.5, ignore_index: int = IGNORE_INDEX,
+                 label_smoothing: float = 0.0, mixup_alpha: float = 0.0, cutmix_alpha: float = 0.0,
+                 num_images_logged: int = 4):
+        for key, value in (("trainer.label_smoothing", label_smoothing), ("data.mixup_alpha", mixup_alpha),
+                           ("data.cutmix_alpha", cutmix_alpha)):
+            if value != 0:
+                raise ConfigError(f"{key}={value}: task=segmentation trains on hard per-pixel labels; set {key}=0")
+        if direction not in ("maximize", "minimize"):
+            raise ConfigError(f"task.direction={direction}: use maximize or minimize")
+        if ignore_index != IGNORE_INDEX:
+            raise ConfigError(f"task.ignore_index={ignore_index}: the data marks pixels that count for nothing (borders, "
+                              f"crop and batch padding) with {IGNORE_INDEX}; keep task.ignore_index={IGNORE_INDEX}")
+        if aux_weight < 0:
+            raise ConfigError(f"task.aux_weight={aux_weight}: must be >= 0 (0: the auxiliary head is not trained)")
+        if num_images_logged < 0:
+            raise ConfigError(f"task.num_images_logged={num_images_logged}: must be >= 0 (0: no images)")
+        if class_names is not None and len(class_names) != num_classes:
+            raise ConfigError(f"data: {len(class_names)} class names for {num_classes} classes")
+        self.num_classes, self.class_names = num_classes, class_names
+        self.objective, self.direction = objective, direction
+        self.aux_weight, self.ignore_index = aux_weight, ignore_index
+        self.num_images_logged = num_images_logged
+
+    def train_batch(self, images: torch.Tensor, targets: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        return images, targets
+
+    def loss(self, output, targets: torch.Tensor) -> torch.Tensor:
+        return segmentation_loss(output, targets, self.ignore_index, self.aux_weight)
+
+    def eval_sums(self, output, targets: torch.Tensor) -> torch.Tensor:
+        return confusion_sums(output, targets, self.num_classes, self.ignore_index)
+
+    def metrics(self, sums: torch.Tensor) -> dict[str, float]:
+        return segmentation_metrics(sums, self.class_names)
+
+    @torch.no_grad()
+    def log_validation(self, writer, model, dataset, device: torch.device, step: int) -> None:
+        """`val/images`: one row per sample of the first num_images_logged val samples (the same ones at
+        every validation): the input, its target and the model's prediction. Each sample goes through
+        the model alone, as at batch 1; images of different sizes are padded at their right and bottom
+        with black. Only where the writer writes (rank 0); no collectives."""
+        count = min(self.num_images_logged, len(dataset))
+        if not writer.active or count == 0:
+            return
+        rows = []
+        with torch.random.fork_rng(devices=[]):  # loading a sample must not move the training run's RNG
+            samples = [dataset[index] for index in range(count)]
+        for image, mask in samples:
+            output = model(image.unsqueeze(0).to(device))
+            prediction = (output["out"] if isinstance(output, dict) else output).argmax(dim=1)[0]
+            rows += [_rescaled(image), colourise(mask, self.ignore_index), colourise(prediction, self.ignore_index)]
+        height, width = max(row.shape[1] for row in rows), max(row.shape[2] for row in rows)
+        rows = [F.pad(row, (0, width - row.shape[2], 0, height - row.shape[1])) for row in rows]  # black
+        writer.add_image("val/images", make_grid(rows, nrow=3, padding=2, pad_value=0.5), step)

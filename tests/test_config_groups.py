@@ -24,12 +24,15 @@ register_resolvers()
 OPTIONS = {
     "strategy": {"single": schema.StrategyConfig, "dp": schema.StrategyConfig, "ddp": schema.StrategyConfig},
     "model": {"small_cnn": schema.SmallCNNConfig, "resnet18": schema.ResNet18Config,
-              "torchvision": schema.TorchvisionModelConfig, "timm": schema.TimmModelConfig},
+              "torchvision": schema.TorchvisionModelConfig, "timm": schema.TimmModelConfig,
+              "small_segnet": schema.SmallSegNetConfig, "segmentation": schema.SegmentationModelConfig},
     "data": {
         "digits": schema.DigitsDataConfig,
         "synthetic": schema.SyntheticDataConfig,
         "imagefolder": schema.ImageFolderDataConfig,
         "cifar10": schema.Cifar10DataConfig,
+        "shapes": schema.ShapesDataConfig,
+        "voc": schema.VOCDataConfig,
     },
     "optim": {"sgd": schema.SGDConfig, "adam": schema.AdamConfig, "adamw": schema.AdamConfig},
     "scheduler": {"none": schema.SchedulerConfig, "cosine": schema.CosineSchedulerConfig, "step": schema.StepSchedulerConfig},
@@ -68,12 +71,17 @@ OPTION_KEYS = {
     ("model", "resnet18"): {"_target_", "weights_path", "small_input"},
     ("model", "torchvision"): {"_target_", "weights_path", "name", "weights", "small_input", "kwargs"},
     ("model", "timm"): {"_target_", "weights_path", "name", "drop_path_rate", "kwargs"},
+    ("model", "small_segnet"): {"_target_", "weights_path", "width", "aux_loss", "weights_scope"},
+    ("model", "segmentation"): {"_target_", "weights_path", "name", "aux_loss", "weights_scope"},
     ("data", "digits"): {*LOADING, "val_fraction", "split_seed"},
     ("data", "synthetic"): {
         *LOADING, "num_samples", "num_val_samples", "image_size", "num_classes", "channels", "data_seed", "augment",
     },
     ("data", "imagefolder"): {*LOADING, "root", "image_size", "augment", "random_erase", "interpolation", "on_bad_sample"},
     ("data", "cifar10"): {*LOADING, "root", "download", "augment", "random_erase", "interpolation"},
+    ("data", "shapes"): {*LOADING, "num_samples", "num_val_samples", "image_size", "num_classes", "data_seed", "augment",
+                         "max_shapes"},
+    ("data", "voc"): {*LOADING, "root", "num_classes", "base_size", "crop_size", "class_names", "val_batch_size"},
     ("optim", "sgd"): {"_target_", "lr", "lr_scaling", "reference_batch_size", "momentum", "weight_decay", "nesterov"},
     ("optim", "adam"): {"_target_", "lr", "lr_scaling", "reference_batch_size", "weight_decay"},
     ("optim", "adamw"): {"_target_", "lr", "lr_scaling", "reference_batch_size", "weight_decay"},
@@ -141,7 +149,8 @@ def test_hydra_config_prints_resolved(tmp_path):
     assert run_dir.startswith("outputs/") and "$" not in run_dir
 
 
-@pytest.mark.parametrize("group, option", [(g, o) for g, o in ALL_OPTIONS if (g, o) != ("data", "imagefolder")])
+# imagefolder and voc ship data.root as MISSING (test_imagefolder_requires_a_root, tests/test_segmentation.py)
+@pytest.mark.parametrize("group, option", [(g, o) for g, o in ALL_OPTIONS if (g, o) not in {("data", "imagefolder"), ("data", "voc")}])
 def test_option_passes_validation(group, option, tmp_path, monkeypatch):
     """Every option's defaults are valid as shipped (cifar10's default root is relative to the working dir)."""
     monkeypatch.chdir(tmp_path)

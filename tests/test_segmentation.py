@@ -3,6 +3,7 @@ padding collate, the shapes and VOC-layout datasets, the models and their weight
 one process: the properties the distributed runs rely on (sums that add up over any split, padding
 that counts for nothing, one draw for image and mask) are checked here directly."""
 
+import io
 import math
 import time
 
@@ -10,17 +11,22 @@ import numpy as np
 import pytest
 import torch
 import torchvision
+from omegaconf import OmegaConf
 from PIL import Image
+from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 from torch.nn import functional as F
 from torch.utils.data import DataLoader
 
 from data.segmentation_transforms import IGNORE_INDEX, eval_transforms, pad_collate, train_transforms
 from data.shapes import build_shapes
 from data.voc import build_voc
-from ddp.config import ConfigError
+from conftest import REPO
+from ddp.config import ConfigError, instantiate_checked
+from ddp.env import DistEnv
+from ddp.rank_zero import RankZeroWriter
 from models import build_model
 from models.segmentation import TORCHVISION_NAMES, build_segmentation_model, small_segnet
-from tasks.segmentation import confusion_sums, segmentation_loss, segmentation_metrics
+from tasks.segmentation import PALETTE, SegmentationTask, confusion_sums, segmentation_loss, segmentation_metrics
 from workers.host_reads import HostReads
 
 
@@ -320,7 +326,16 @@ def _evaluate(model, dataset) -> dict[str, float]:
     return segmentation_metrics(sums, dataset.classes)
 
 
-def test_small_segnet_learns_shapes_to_miou_above_half_in_seconds():
+@pytest.fixture
+def one_thread():
+    """One intra-op thread, as a test process gets on two shared cores (two made each step ~30x slower there)."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
+def test_small_segnet_learns_shapes_to_miou_above_half_in_seconds(one_thread):
     torch.manual_seed(0)
     splits = build_shapes(num_samples=256, num_val_samples=64, image_size=32, num_classes=4, data_seed=0)
     model = small_segnet(num_classes=4, in_channels=3, width=16)
@@ -337,3 +352,165 @@ def test_small_segnet_learns_shapes_to_miou_above_half_in_seconds():
     metrics = _evaluate(model, splits.val)
     assert before < 0.3 and metrics["miou"] > 0.5, (before, metrics)
     assert time.perf_counter() - start < 20
+
+
+# --- the task object (task=segmentation) -------------------------------------------------------------
+
+def _task_from_yaml(num_classes: int, class_names=None, **settings):
+    """conf/task/segmentation.yaml instantiated as the recipe does, its interpolations read from `settings`."""
+    cfg = OmegaConf.create({"trainer": {"label_smoothing": settings.get("label_smoothing", 0.0)},
+                            "data": {"mixup_alpha": settings.get("mixup_alpha", 0.0),
+                                     "cutmix_alpha": settings.get("cutmix_alpha", 0.0)},
+                            "task": OmegaConf.load(REPO / "conf" / "task" / "segmentation.yaml")})
+    return instantiate_checked(cfg.task, "task", num_classes=num_classes, class_names=class_names)
+
+
+def test_task_members_are_the_segmentation_loss_sums_and_metrics():
+    task = _task_from_yaml(3, ["bg", "disc", "box"])
+    assert (task.objective, task.direction, task.num_images_logged) == ("val_miou", "maximize", 4)
+    generator = torch.Generator().manual_seed(0)
+    images = torch.randn(2, 3, 4, 5, generator=generator)
+    output = {"out": torch.randn(2, 3, 4, 5, generator=generator), "aux": torch.randn(2, 3, 4, 5, generator=generator)}
+    target = torch.randint(3, (2, 4, 5), generator=generator)
+    target[0, 0] = IGNORE_INDEX
+    same_images, same_target = task.train_batch(images, target)
+    assert same_images is images and same_target is target  # no batch transforms
+    assert task.loss(output, target).item() == pytest.approx(segmentation_loss(output, target, aux_weight=0.5).item())
+    assert torch.equal(task.eval_sums(output, target), confusion_sums(output, target, num_classes=3))
+    metrics = task.metrics(task.eval_sums(output, target) + task.eval_sums(output, target))
+    assert set(metrics) == {"loss", "pixel_accuracy", "miou", "iou/bg", "iou/disc", "iou/box", "samples"}
+    assert metrics["samples"] == 4
+    assert metrics == segmentation_metrics(2 * confusion_sums(output, target, 3), ["bg", "disc", "box"])
+
+
+@pytest.mark.parametrize("key", ["label_smoothing", "mixup_alpha", "cutmix_alpha"])
+def test_batch_transforms_with_segmentation_are_one_line_errors_naming_the_key(key):
+    user_key = {"label_smoothing": "trainer.label_smoothing"}.get(key, f"data.{key}")
+    with pytest.raises(ConfigError) as error:
+        _task_from_yaml(3, **{key: 0.2})
+    message = str(error.value)
+    assert "\n" not in message
+    assert message.startswith(f"{user_key}=0.2: task=segmentation") and message.endswith(f"set {user_key}=0")
+
+
+def test_task_settings_are_checked():
+    with pytest.raises(ConfigError, match=r"^task.ignore_index=0: .*keep task.ignore_index=255$"):
+        SegmentationTask(3, ignore_index=0)
+    with pytest.raises(ConfigError, match=r"^task.direction=up: use maximize or minimize$"):
+        SegmentationTask(3, direction="up")
+    with pytest.raises(ConfigError, match=r"^data: 2 class names for 3 classes$"):
+        SegmentationTask(3, ["a", "b"])
+
+
+def _image_tiles(events_dir, tag="val/images"):
+    """(step, the grid as an H x W x 3 uint8 array) of every `tag` image TensorBoard's reader finds."""
+    accumulator = EventAccumulator(str(events_dir), size_guidance={"images": 0})
+    accumulator.Reload()
+    return [(event.step, event.height, event.width,
+             np.asarray(Image.open(io.BytesIO(event.encoded_image_string)).convert("RGB")))
+            for event in accumulator.Images(tag)]
+
+
+def test_log_validation_writes_input_target_prediction_grid_that_tensorboard_reads(tmp_path):
+    splits = build_shapes(num_samples=8, num_val_samples=6, image_size=20, num_classes=4, data_seed=0)
+    task = SegmentationTask(4, splits.class_names, num_images_logged=4)
+    model = small_segnet(4, 3, width=4).eval()
+    rng_before = torch.get_rng_state()
+    with RankZeroWriter(tmp_path, DistEnv(rank=0, world_size=2)) as writer:
+        task.log_validation(writer, model, splits.val, torch.device("cpu"), step=7)
+        task.log_validation(writer, model, splits.train, torch.device("cpu"), step=8)  # random transforms
+    assert torch.equal(torch.get_rng_state(), rng_before)  # a resumed run's random draws stay in step
+
+    (first, second) = _image_tiles(tmp_path)
+    step, height, width, grid = first
+    # make_grid: 3 columns (input, target, prediction) x 4 rows of 20 px tiles, 2 px between and around them
+    assert (step, height, width, grid.shape) == (7, 4 * 22 + 2, 3 * 22 + 2, (90, 68, 3))
+    assert second[0] == 8
+    with torch.no_grad():
+        for row in range(4):
+            image, mask = splits.val[row]
+            top = 2 + 22 * row
+            target_tile = grid[top:top + 20, 24:44]
+            expected = (PALETTE[mask] * 255).round().numpy()
+            assert np.abs(target_tile.astype(float) - expected).max() <= 1, f"row {row}: the target isn't its mask's colours"
+            prediction = model(image[None])["out"].argmax(1)[0]
+            prediction_tile = grid[top:top + 20, 46:66]
+            assert np.abs(prediction_tile.astype(float) - (PALETTE[prediction] * 255).round().numpy()).max() <= 1
+
+
+def test_log_validation_shows_ignored_pixels_white_and_pads_images_of_different_sizes(tmp_path):
+    sizes = {"a": (16, 24), "b": (24, 16), "c": (16, 16)}
+    _write_voc(tmp_path / "voc", sizes, {"train": ["a"], "val": ["a", "b", "c"]})
+    splits = build_voc(str(tmp_path / "voc"), num_classes=4, base_size=16, crop_size=16)
+    task = SegmentationTask(4, splits.class_names, num_images_logged=5)  # more than the 3 val images
+    with RankZeroWriter(tmp_path / "events", DistEnv()) as writer:
+        task.log_validation(writer, small_segnet(4, 3, width=4).eval(), splits.val, torch.device("cpu"), step=1)
+    ((_, height, width, grid),) = _image_tiles(tmp_path / "events")
+    assert (height, width) == (3 * 26 + 2, 3 * 26 + 2)  # tiles padded to the largest, 24 x 24
+    _, mask = splits.val[0]
+    target_tile = grid[2:2 + 16, 28:28 + 24]
+    assert (mask == IGNORE_INDEX).any()
+    assert (target_tile[(mask == IGNORE_INDEX).numpy()] == 255).all()  # ignored: white
+    assert not (target_tile[(mask != IGNORE_INDEX).numpy()] == 255).all(axis=-1).any()  # no class is white
+
+
+def test_log_validation_does_nothing_off_rank_zero(tmp_path):
+    def model(images):
+        raise AssertionError("rank 1 ran the model for images it doesn't write")
+
+    splits = build_shapes(num_samples=4, num_val_samples=4, image_size=16, num_classes=3, data_seed=0)
+    with RankZeroWriter(tmp_path, DistEnv(rank=1, world_size=2)) as writer:
+        assert not writer.active
+        SegmentationTask(3).log_validation(writer, model, splits.val, torch.device("cpu"), step=1)
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_datasets_name_their_classes_and_voc_collates_its_own_batches(tmp_path):
+    assert build_shapes(4, 4, 16, 5, data_seed=0).class_names == ["background", "rectangle", "disc", "triangle", "rectangle1"]
+    _write_voc(tmp_path, {"a": (8, 8), "b": (8, 10)}, {"train": ["a"], "val": ["a", "b"]})
+    assert build_voc(str(tmp_path)).class_names[:3] == ["background", "aeroplane", "bicycle"]
+    assert len(build_voc(str(tmp_path)).class_names) == 21
+    splits = build_voc(str(tmp_path), num_classes=3, base_size=8)
+    assert splits.class_names == ["class_0", "class_1", "class_2"]
+    from ddp.loaders import build_val_loader
+
+    loader = build_val_loader(splits.val, OmegaConf.create({"batch_size": 2, "num_workers": 0}), DistEnv(), pin_memory=False)
+    images, masks = next(iter(loader))  # 8 x 8 and 8 x 10: default_collate could not stack them
+    assert images.shape == (2, 3, 8, 10) and masks.shape == (2, 8, 10)
+
+
+def test_voc_evaluation_is_the_same_at_any_world_size_as_shipped(tmp_path):
+    """data=voc's images differ in size; evaluated at data.val_batch_size=1 (its default) no image is
+    padded, so each rank's shard (ddp/loaders.py) sums to exactly the one-process evaluation."""
+    from hydra import compose, initialize_config_dir
+
+    from data import build_datasets
+    from ddp.config import register_configs
+    from ddp.loaders import build_val_loader
+
+    register_configs()
+    sizes = {f"{index}": (16 + 4 * (index % 3), 16 + 4 * (index % 2)) for index in range(7)}
+    _write_voc(tmp_path, sizes, {"train": ["0"], "val": list(sizes)})
+    with initialize_config_dir(config_dir=str(REPO / "conf"), version_base="1.3"):
+        cfg = compose("config", overrides=["data=voc", f"data.root={tmp_path}", "data.num_classes=4", "data.base_size=16",
+                                           "data.num_workers=0", "data.batch_size=4"])
+    assert cfg.data.val_batch_size == 1
+    splits = build_datasets(cfg.data)
+    torch.manual_seed(0)
+    model = small_segnet(4, 3, width=4).eval()
+    task = SegmentationTask(4, splits.class_names)
+
+    def evaluate(world_size):
+        sums = 0
+        for rank in range(world_size):
+            for images, masks in build_val_loader(splits.val, cfg.data, DistEnv(rank=rank, world_size=world_size), False):
+                with torch.no_grad():
+                    sums = sums + task.eval_sums(model(images), masks)
+        return sums
+
+    one = evaluate(1)
+    assert one[1].item() == 7
+    for world_size in (2, 3):
+        sums = evaluate(world_size)
+        assert torch.equal(sums[1:], one[1:]), world_size  # images and every pixel's (target, prediction)
+        assert sums[0].item() == pytest.approx(one[0].item(), rel=1e-12)  # float64 loss sums, in another order
