@@ -34,6 +34,17 @@ class ClassificationTaskConfig(TaskConfig):
 
 
 @dataclass
+class SegmentationTaskConfig(TaskConfig):
+    aux_weight: float = 0.5  # the auxiliary head's loss counts at this weight, as in torchvision's reference
+    ignore_index: int = 255  # mask value of pixels that count for nothing; the data pads and marks borders with 255
+    # Read only to refuse them (a one-line error if not 0): a mixed or smoothed mask has no class per pixel.
+    label_smoothing: float = 0.0
+    mixup_alpha: float = 0.0
+    cutmix_alpha: float = 0.0
+    num_images_logged: int = 4  # fixed val samples in the TensorBoard image grid (input, target, prediction)
+
+
+@dataclass
 class StrategyConfig:
     name: str = MISSING  # single | dp | ddp, set by the strategy/<name>.yaml option
     timeout_s: float = 1800.0  # process-group timeout; a rank stuck in a collective fails after this
@@ -297,7 +308,7 @@ SCHEMAS = {
     },
     "optim": {"sgd": SGDConfig, "adam": AdamConfig, "adamw": AdamConfig},
     "scheduler": {"none": SchedulerConfig, "cosine": CosineSchedulerConfig, "step": StepSchedulerConfig},
-    "task": {"classification": ClassificationTaskConfig},
+    "task": {"classification": ClassificationTaskConfig, "segmentation": SegmentationTaskConfig},
 }
 
 

@@ -16,14 +16,18 @@ from omegaconf import DictConfig, OmegaConf
 from ddp.env import DistEnv
 from ddp.preemption import Interrupted
 
-COLUMNS = [
-    "job", "overrides", "world_size", "batch_size", "global_batch_size",
-    "val_loss", "val_accuracy", "samples_per_s", "wall_s", "status", "best",
-]
+# The task's objective (task.objective, e.g. val_accuracy or val_miou) comes after val_loss; the best
+# job is the one with the best objective in the task's direction, as Optuna picks.
+COLUMNS = ["job", "overrides", "world_size", "batch_size", "global_batch_size", "val_loss"]
+LAST_COLUMNS = ["samples_per_s", "wall_s", "status", "best"]
 
 # One sweep per process: the rows so far, and where they go.
 _rows: list[dict[str, Any]] = []
 _sweep_dir: list[Path] = []
+
+
+def columns(objective: str) -> list[str]:
+    return COLUMNS + ([objective] if objective not in COLUMNS else []) + LAST_COLUMNS
 
 
 class SweepSummary(Callback):
@@ -36,7 +40,8 @@ class SweepSummary(Callback):
             return  # submitit runs each job in processes of its own: the sweep's process summarises them at the end
         job_dir = Path(config.hydra.runtime.output_dir)
         failure = None if job_return.status == JobStatus.COMPLETED else job_return._return_value
-        _add_row(summary_row(config.hydra.job.num, job_return.overrides, config, job_dir, failure), Path(config.hydra.sweep.dir))
+        _add_row(summary_row(config.hydra.job.num, job_return.overrides, config, job_dir, failure), Path(config.hydra.sweep.dir),
+                 config.task)
 
     def on_multirun_end(self, config: DictConfig, **kwargs: Any) -> None:
         if "submitit" in config.hydra.launcher._target_:
@@ -44,8 +49,8 @@ class SweepSummary(Callback):
             jobs = sorted((int(hydra_dir.parent.name.split("_", 1)[0]), hydra_dir) for hydra_dir in sweep_dir.glob("*/.hydra"))
             for job_num, hydra_dir in jobs:  # job dirs are named <job number>_<swept values>
                 overrides = list(OmegaConf.load(hydra_dir / "overrides.yaml"))
-                row = summary_row(job_num, overrides, OmegaConf.load(hydra_dir / "config.yaml"), hydra_dir.parent, failure=None)
-                _add_row(row, sweep_dir)
+                job_cfg = OmegaConf.load(hydra_dir / "config.yaml")
+                _add_row(summary_row(job_num, overrides, job_cfg, hydra_dir.parent, failure=None), sweep_dir, job_cfg.task)
         print_summary()
 
 
@@ -54,7 +59,7 @@ def record_failed_job(hydra_cfg: DictConfig, cfg: DictConfig, error: BaseExcepti
     which Hydra's job-end callbacks never see."""
     if hydra_cfg.mode == RunMode.MULTIRUN and DistEnv.from_environ().is_main:
         row = summary_row(hydra_cfg.job.num, hydra_cfg.overrides.task, cfg, Path(hydra_cfg.runtime.output_dir), error)
-        _add_row(row, Path(hydra_cfg.sweep.dir))
+        _add_row(row, Path(hydra_cfg.sweep.dir), cfg.task)
 
 
 def summary_row(job_num: int, overrides, cfg: DictConfig, job_dir: Path, failure: BaseException | None) -> dict[str, Any]:
@@ -74,7 +79,7 @@ def summary_row(job_num: int, overrides, cfg: DictConfig, job_dir: Path, failure
         row["status"] = "interrupted"
     elif failure is None and results_file.is_file():
         results = json.loads(results_file.read_text())
-        row |= {key: results.get(key) for key in ("world_size", "global_batch_size", "val_loss", "val_accuracy", "samples_per_s", "wall_s")}
+        row |= {key: results.get(key) for key in ("world_size", "global_batch_size", "val_loss", cfg.task.objective, "samples_per_s", "wall_s")}
         row["status"] = "ok"
     elif failure is None:
         row["status"] = "failed: no results.json (see the job's logs)"
@@ -84,12 +89,12 @@ def summary_row(job_num: int, overrides, cfg: DictConfig, job_dir: Path, failure
     return row
 
 
-def _add_row(row: dict[str, Any], sweep_dir: Path) -> None:
+def _add_row(row: dict[str, Any], sweep_dir: Path, task_cfg: DictConfig) -> None:
     if not _sweep_dir:
         _sweep_dir.append(sweep_dir)
         atexit.register(print_summary)
     _rows.append(row)
-    write_summary(_rows, sweep_dir)
+    write_summary(_rows, sweep_dir, task_cfg.objective, task_cfg.direction)
 
 
 def print_summary() -> None:
@@ -98,18 +103,19 @@ def print_summary() -> None:
         print(f"\nsweep summary ({sweep_dir / 'summary.csv'}):\n" + (sweep_dir / "summary.md").read_text(), flush=True)
 
 
-def write_summary(rows: list[dict[str, Any]], sweep_dir: Path) -> None:
-    finished = [row for row in rows if row["status"] == "ok"]
-    best = max(finished, key=lambda row: row["val_accuracy"], default=None)
-    table = [{column: row.get(column) for column in COLUMNS} | {"best": row is best} for row in rows]
+def write_summary(rows: list[dict[str, Any]], sweep_dir: Path, objective: str, direction: str) -> None:
+    finished = [row for row in rows if row["status"] == "ok" and row.get(objective) is not None]
+    best = (max if direction == "maximize" else min)(finished, key=lambda row: row[objective], default=None)
+    names = columns(objective)
+    table = [{column: row.get(column) for column in names} | {"best": row is best} for row in rows]
     with open(sweep_dir / "summary.csv", "w", newline="") as f:
-        writer = csv.DictWriter(f, fieldnames=COLUMNS)
+        writer = csv.DictWriter(f, fieldnames=names)
         writer.writeheader()
         writer.writerows(table)
-    lines = ["| " + " | ".join(COLUMNS) + " |", "|" + "---|" * len(COLUMNS)]
-    lines += ["| " + " | ".join(_cell(row[column]) for column in COLUMNS) + " |" for row in table]
+    lines = ["| " + " | ".join(names) + " |", "|" + "---|" * len(names)]
+    lines += ["| " + " | ".join(_cell(row[column]) for column in names) + " |" for row in table]
     if best is not None:
-        lines += ["", f"best: job {best['job']} ({best['overrides']}) val_accuracy={best['val_accuracy']:.4f}"]
+        lines += ["", f"best: job {best['job']} ({best['overrides']}) {objective}={best[objective]:.4f}"]
     (sweep_dir / "summary.md").write_text("\n".join(lines) + "\n")
 
 

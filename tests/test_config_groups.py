@@ -36,7 +36,7 @@ OPTIONS = {
     },
     "optim": {"sgd": schema.SGDConfig, "adam": schema.AdamConfig, "adamw": schema.AdamConfig},
     "scheduler": {"none": schema.SchedulerConfig, "cosine": schema.CosineSchedulerConfig, "step": schema.StepSchedulerConfig},
-    "task": {"classification": schema.ClassificationTaskConfig},
+    "task": {"classification": schema.ClassificationTaskConfig, "segmentation": schema.SegmentationTaskConfig},
 }
 ALL_OPTIONS = [(group, option) for group, options in OPTIONS.items() for option in options]
 
@@ -89,6 +89,8 @@ OPTION_KEYS = {
     ("scheduler", "cosine"): {"name", "warmup_steps", "warmup_epochs", "min_lr"},
     ("scheduler", "step"): {"name", "warmup_steps", "warmup_epochs", "milestones", "gamma"},
     ("task", "classification"): {"_target_", "objective", "direction", "label_smoothing", "mixup_alpha", "cutmix_alpha"},
+    ("task", "segmentation"): {"_target_", "objective", "direction", "aux_weight", "ignore_index", "label_smoothing",
+                               "mixup_alpha", "cutmix_alpha", "num_images_logged"},
 }
 
 OPTIMIZERS = {"sgd": torch.optim.SGD, "adam": torch.optim.Adam, "adamw": torch.optim.AdamW}

@@ -357,11 +357,18 @@ def test_small_segnet_learns_shapes_to_miou_above_half_in_seconds(one_thread):
 # --- the task object (task=segmentation) -------------------------------------------------------------
 
 def _task_from_yaml(num_classes: int, class_names=None, **settings):
-    """conf/task/segmentation.yaml instantiated as the recipe does, its interpolations read from `settings`."""
-    cfg = OmegaConf.create({"trainer": {"label_smoothing": settings.get("label_smoothing", 0.0)},
-                            "data": {"mixup_alpha": settings.get("mixup_alpha", 0.0),
-                                     "cutmix_alpha": settings.get("cutmix_alpha", 0.0)},
-                            "task": OmegaConf.load(REPO / "conf" / "task" / "segmentation.yaml")})
+    """conf/task/segmentation.yaml composed with the rest of the config, and instantiated as the recipe
+    does; `settings`: label_smoothing, mixup_alpha or cutmix_alpha, set where users set them."""
+    from hydra import compose, initialize_config_dir
+
+    from ddp.config import register_configs
+
+    register_configs()
+    where = {"label_smoothing": "trainer", "mixup_alpha": "data", "cutmix_alpha": "data"}
+    overrides = ["task=segmentation", "data=shapes", "model=small_segnet",
+                 *(f"{where[key]}.{key}={value}" for key, value in settings.items())]
+    with initialize_config_dir(config_dir=str(REPO / "conf"), version_base="1.3"):
+        cfg = compose("config", overrides=overrides)
     return instantiate_checked(cfg.task, "task", num_classes=num_classes, class_names=class_names)
 
 
