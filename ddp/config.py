@@ -1,4 +1,15 @@
-"""Typed config schemas (registered in Hydra's ConfigStore) and the startup checks Hydra can't express."""
+"""Typed config schemas (registered in Hydra's ConfigStore) and the startup checks Hydra can't express.
+
+The options of a model or a dataset (any group in BUILDERS) have no schema here: the builder's own
+signature is their schema. `conf/model/my_net.yaml` names `_target_: models.my_net.build`, and
+`def build(num_classes: int, in_channels: int, width: int = 64)` declares the option `width` and its
+type. builder_options checks a group's keys against those parameters and its values against their
+annotations (through OmegaConf, as a dataclass field), at startup, before anything runs or is
+written. So a new model or dataset is one module and one yaml, its options are declared once, where
+they are used, and a misspelt or mistyped one is a one-line ConfigError naming it. The group's own
+dataclass (ModelConfig, DataConfig) holds only the keys the run reads itself (weights_path; the
+loading keys); Hydra checks those when it composes, and leaves the group open to the builder's keys.
+"""
 
 import dataclasses
 import difflib
