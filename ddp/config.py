@@ -9,6 +9,11 @@ written. So a new model or dataset is one module and one yaml, its options are d
 they are used, and a misspelt or mistyped one is a one-line ConfigError naming it. The group's own
 dataclass (ModelConfig, DataConfig) holds only the keys the run reads itself (weights_path; the
 loading keys); Hydra checks those when it composes, and leaves the group open to the builder's keys.
+
+Why the signature, and not a dataclass next to the builder: the builder has to declare its
+parameters anyway, and a second declaration can drift from it (a field it ignores, a default that
+differs). Another group whose `_target_` brings options (a task, say) gets the same by an entry in
+BUILDERS and a call of builder_options where it is built.
 """
 
 import dataclasses
@@ -240,6 +245,9 @@ def builder_options(group_cfg: Any, group: str) -> dict:
         return {**specials, **options}
     accepted = {name: p for name, p in parameters.items()
                 if p.kind in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY) and name not in run_args}
+    not_taken = [name for name in run_args if name not in parameters]
+    _check(not not_taken, f"{group}._target_={target}: must take {', '.join(not_taken)} as keyword arguments "
+                          f"(the run passes {', '.join(run_args)}); add them to its parameters")
     for key in options:
         if key in run_args:
             raise ConfigError(f"{group}.{key}: the run passes {key} to {target} itself; remove {group}.{key}")

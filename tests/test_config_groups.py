@@ -339,6 +339,7 @@ def test_schema_converts_typed_strings():
                           "model.channels? options: channels, dropout, norm); check the spelling"),
     ("+model.in_channels=3", "model.in_channels: the run passes in_channels to models.small_cnn.SmallCNN itself"),
     ("model._target_=models.small_cnn.SmallCN", "model._target_=models.small_cnn.SmallCN: can't be imported"),
+    ("model._target_=models.zoo.check_name", "model._target_=models.zoo.check_name: must take num_classes, in_channels"),
 ])
 def test_builder_options_are_checked_against_its_signature_in_one_line(override, message):
     """A model's or dataset's options compose (the group is open to them), then validation checks them
