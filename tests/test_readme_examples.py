@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 import torch
-import yaml
+from omegaconf import OmegaConf
 
 from conftest import REPO, run_dirs
 
@@ -114,7 +114,7 @@ def test_adding_a_model_runs_as_the_readme_shows(repo_copy):
     run_bash_blocks(section, repo_copy)
 
     commands = code_blocks(section, "bash")
-    width = int(override(commands, "model.width") or yaml.safe_load(files["conf/model/my_net.yaml"])["width"])
+    width = int(override(commands, "model.width") or OmegaConf.create(files["conf/model/my_net.yaml"]).width)
     checkpoint, results = last_run(repo_copy)
     conv = next(tensor for key, tensor in checkpoint["model"].items() if tensor.dim() == 4)
     assert conv.shape[0] == width, (conv.shape, width)
