@@ -260,9 +260,14 @@ def builder_options(group_cfg: Any, group: str) -> dict:
         if name not in options and parameter.default is parameter.empty:
             raise ConfigError(f"{group}.{name} is required: {target} has no default for it; "
                               f"set it in conf/{group}/*.yaml or pass {group}.{name}=<value>")
+    annotations = {name: accepted[name].annotation for name in options}
+    return {**specials, **_typed_options(options, annotations, group, target)}
+
+
+def _typed_options(options: dict, annotations: dict, group: str, target: str) -> dict:
+    """`options` converted to their annotations by OmegaConf, through a dataclass made of them."""
     fields = []
-    for name in options:
-        annotation = accepted[name].annotation
+    for name, annotation in annotations.items():
         if typing.get_origin(annotation) is typing.Literal:
             choices, value = typing.get_args(annotation), options[name]
             _check(value == MISSING or value in choices,
@@ -275,8 +280,8 @@ def builder_options(group_cfg: Any, group: str) -> dict:
         name = str(error.full_key).split(".")[0].split("[")[0]
         reason = str(error).strip().splitlines()[0]
         raise ConfigError(f"{group}.{error.full_key}: {reason}; {target} takes "
-                          f"{name}: {inspect.formatannotation(accepted[name].annotation)}") from None
-    return {**specials, **OmegaConf.to_container(typed, throw_on_missing=False)}
+                          f"{name}: {inspect.formatannotation(annotations[name])}") from None
+    return OmegaConf.to_container(typed, throw_on_missing=False)
 
 
 def _omegaconf_checks(annotation: Any) -> bool:
