@@ -1,12 +1,13 @@
-"""Datasets. Each builder returns DataSplits; add one with a module here and a conf/data/<name>.yaml.
-A dataset whose samples can't go through torch's default_collate (images of different sizes) names
-its own in a `collate_fn` attribute, which the loaders use (ddp/loaders.py)."""
+"""Datasets. Each builder returns DataSplits and takes its options as keyword arguments, checked
+against its own signature (ddp.config.builder_options); add one with a module here and a
+conf/data/<name>.yaml. A dataset whose samples can't go through torch's default_collate (images of
+different sizes) names its own in a `collate_fn` attribute, which the loaders use (ddp/loaders.py)."""
 
 from dataclasses import dataclass
 
 from torch.utils.data import Dataset
 
-from ddp.config import LOADING_KEYS, ConfigError, instantiate_checked
+from ddp.config import ConfigError, builder_options, instantiate_checked
 
 
 @dataclass
@@ -20,9 +21,8 @@ class DataSplits:
 
 
 def build_datasets(data_cfg) -> DataSplits:
-    """Call data._target_ with the dataset keys (everything but the loading keys)."""
-    dataset_cfg = {key: value for key, value in data_cfg.items() if key not in LOADING_KEYS}
-    splits = instantiate_checked(dataset_cfg, "data")
+    """Call data._target_ with its options (every data.* key but the loading keys)."""
+    splits = instantiate_checked(builder_options(data_cfg, "data"), "data")
     for name in ("train", "val"):
         if len(getattr(splits, name)) == 0:
             raise ConfigError(f"data: the {name} split is empty; check the data.* sizes (e.g. data.num_samples, data.val_fraction)")

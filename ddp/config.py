@@ -1,6 +1,25 @@
-"""Typed config schemas (registered in Hydra's ConfigStore) and the startup checks Hydra can't express."""
+"""Typed config schemas (registered in Hydra's ConfigStore) and the startup checks Hydra can't express.
+
+The options of a model or a dataset (any group in BUILDERS) have no schema here: the builder's own
+signature is their schema. `conf/model/my_net.yaml` names `_target_: models.my_net.build`, and
+`def build(num_classes: int, in_channels: int, width: int = 64)` declares the option `width` and its
+type. builder_options checks a group's keys against those parameters and its values against their
+annotations (through OmegaConf, as a dataclass field), at startup, before anything runs or is
+written. So a new model or dataset is one module and one yaml, its options are declared once, where
+they are used, and a misspelt or mistyped one is a one-line ConfigError naming it. The group's own
+dataclass (ModelConfig, DataConfig) holds only the keys the run reads itself (weights_path; the
+loading keys); Hydra checks those when it composes, and leaves the group open to the builder's keys.
+
+Why the signature, and not a dataclass next to the builder: the builder has to declare its
+parameters anyway, and a second declaration can drift from it (a field it ignores, a default that
+differs). Another group whose `_target_` brings options (a task, say) gets the same by an entry in
+BUILDERS and a call of builder_options where it is built.
+"""
 
 import dataclasses
+import difflib
+import inspect
+import typing
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -8,8 +27,10 @@ from typing import Any
 import torch
 from hydra.core.config_store import ConfigStore
 from hydra.errors import InstantiationException
+from hydra._internal.utils import _locate
 from hydra.utils import instantiate
 from omegaconf import MISSING, DictConfig, OmegaConf
+from omegaconf.errors import ValidationError
 
 
 class ConfigError(ValueError):
@@ -56,124 +77,34 @@ class StrategyConfig:
 
 @dataclass
 class ModelConfig:
-    _target_: str = MISSING  # called with num_classes= and in_channels= taken from the data, and the keys below
+    """The keys the run reads itself; every other model.* key is an option of `_target_` (builder_options)."""
+
+    _target_: str = MISSING  # called with num_classes= and in_channels= taken from the data, and its options
     weights_path: str | None = None  # local weights loaded before training (a state_dict, .safetensors, or our checkpoint)
-
-
-@dataclass
-class SmallCNNConfig(ModelConfig):
-    channels: list[int] = field(default_factory=lambda: [32, 64, 128])
-    dropout: float = 0.0
-    norm: str = "batch"  # batch | group | none; GroupNorm needs no SyncBN at small per-GPU batches
-
-
-@dataclass
-class ResNet18Config(ModelConfig):
-    small_input: bool = True  # 3x3 stem without max-pool, for images of 32 px or less
-
-
-@dataclass
-class TorchvisionModelConfig(ModelConfig):
-    name: str = "resnet50"  # any of torchvision.models.list_models(module=torchvision.models)
-    weights: str | None = None  # stays null: nothing is downloaded at run time; use weights_path
-    small_input: bool = False  # ResNet-style models: 3x3 stem without max-pool, for images of 64 px or less
-    kwargs: dict[str, Any] = field(default_factory=dict)  # more keyword arguments for the model, e.g. image_size for ViTs
-
-
-@dataclass
-class TimmModelConfig(ModelConfig):
-    name: str = "resnet50"  # any of timm.list_models()
-    drop_path_rate: float = 0.0  # stochastic depth, where the model has it
-    kwargs: dict[str, Any] = field(default_factory=dict)  # more keyword arguments for timm.create_model, e.g. img_size
-
-
-@dataclass
-class SmallSegNetConfig(ModelConfig):
-    width: int = 16  # channels of the first block; the later ones have twice as many
-    aux_loss: bool = True  # an auxiliary head on the backbone's features (its loss counts at task.aux_weight)
-    weights_scope: str = "model"  # model | backbone: what model.weights_path loads into
-
-
-@dataclass
-class SegmentationModelConfig(ModelConfig):
-    # fcn_resnet50 | deeplabv3_resnet50 | deeplabv3_mobilenet_v3_large | lraspp_mobilenet_v3_large
-    name: str = "deeplabv3_mobilenet_v3_large"
-    aux_loss: bool = True  # the auxiliary head, where the model has one (lraspp has none)
-    weights_scope: str = "model"  # model | backbone: what model.weights_path loads into (backbone: e.g. an ImageNet classifier's)
+    weights_scope: str = "model"  # model | backbone: what weights_path loads into (models/segmentation.py)
 
 
 @dataclass
 class DataConfig:
-    _target_: str = MISSING  # returns a data.DataSplits; gets every key below except the loading keys
+    """The loading keys; every other data.* key is an option of `_target_` (builder_options)."""
+
+    _target_: str = MISSING  # returns a data.DataSplits; called with its options only
     batch_size: int = 32  # per process; the global batch is batch_size * world_size
     num_workers: int = 0
     mixup_alpha: float = 0.0  # > 0: MixUp training batches (Beta(alpha, alpha) weights)
     cutmix_alpha: float = 0.0  # > 0: CutMix training batches; with both set, each batch gets one of the two at random
     split: str = "val"  # val | test: the split that mode=eval evaluates (training always validates on val)
+    # Per process, for evaluation; null: batch_size. data=voc sets 1, as torchvision's reference: a padded
+    # image's predictions near its edges would depend on its batch-mates, and so on the world size.
+    val_batch_size: int | None = None
 
 
-# Keys of DataConfig that say which split to read and how to batch and mix it, not what the dataset is:
-# the dataset builder doesn't get them.
-LOADING_KEYS = ("batch_size", "num_workers", "mixup_alpha", "cutmix_alpha", "split", "val_batch_size")
-
-
-@dataclass
-class DigitsDataConfig(DataConfig):
-    val_fraction: float = 0.2
-    split_seed: int = 0  # the train/val split is fixed by this, independent of `seed`
-
-
-@dataclass
-class SyntheticDataConfig(DataConfig):
-    num_samples: int = 1024
-    num_val_samples: int = 256
-    image_size: int = 16
-    num_classes: int = 10
-    channels: int = 3
-    data_seed: int = 0
-    augment: bool = False  # random flips and noise on the training split
-
-
-@dataclass
-class ImageFolderDataConfig(DataConfig):
-    root: str = MISSING  # holds train/<class>/*.jpg and val/<class>/*.jpg (and test/<class>/*.jpg, optionally)
-    image_size: int = 224  # the crop: RandomResizedCrop to train, Resize(image_size / 0.875) + CenterCrop to evaluate
-    augment: str = "standard"  # none | standard | randaugment | trivialaugment | autoaugment (data/presets.py)
-    random_erase: float = 0.0  # probability of RandomErasing on a training image
-    interpolation: str = "bilinear"  # bilinear | bicubic | nearest, for resizing and the augment policies
-    on_bad_sample: str = "error"  # error | skip: an unreadable image stops the run naming it, or is replaced by the next one
-
-
-@dataclass
-class Cifar10DataConfig(DataConfig):
-    root: str = "datasets/cifar10"
-    download: bool = False
-    augment: str = "standard"  # none | standard (padded random crop + flip) | randaugment | trivialaugment | autoaugment
-    random_erase: float = 0.0
-    interpolation: str = "bilinear"
-
-
-@dataclass
-class ShapesDataConfig(DataConfig):
-    num_samples: int = 512  # training images, generated on the fly (data/shapes.py)
-    num_val_samples: int = 64
-    image_size: int = 32  # square images, in pixels
-    num_classes: int = 4  # the background and num_classes - 1 shape classes
-    data_seed: int = 0  # fixes every image and mask, independent of `seed`
-    augment: bool = True  # training images get random resize, crop (masks padded with 255) and flip
-    max_shapes: int = 3  # shapes per image, at most
-
-
-@dataclass
-class VOCDataConfig(DataConfig):
-    root: str = MISSING  # holds JPEGImages/, SegmentationClass/ and ImageSets/Segmentation/{train,val}.txt
-    num_classes: int = 21  # mask values are class ids below this, or 255 (ignored)
-    base_size: int = 520  # evaluation resizes the shorter side to this; training to 0.5-2x this
-    crop_size: int = 480  # training crops, square, padded where smaller (masks with 255)
-    class_names: list[str] | None = None  # null: VOC's 21 names with num_classes=21, else class_<i>
-    # Images per evaluation batch. At 1, as torchvision's reference, no image is padded: a padded one's
-    # predictions near its edges would depend on its batch-mates, and so on the world size.
-    val_batch_size: int = 1
+# The groups whose `_target_` brings its own options: group -> (the schema of the keys the run reads
+# itself, the arguments the run passes the builder besides its options).
+BUILDERS = {
+    "model": (ModelConfig, ("num_classes", "in_channels")),
+    "data": (DataConfig, ()),
+}
 
 
 @dataclass
@@ -294,18 +225,10 @@ class TrainConfig:
     seed: int = 0
 
 
+# The schemas of the groups whose options are fixed here. A model's or dataset's own options have no
+# entry: their schema is their builder's signature (builder_options).
 SCHEMAS = {
     "strategy": {"single": StrategyConfig, "dp": StrategyConfig, "ddp": StrategyConfig},
-    "model": {"small_cnn": SmallCNNConfig, "resnet18": ResNet18Config, "torchvision": TorchvisionModelConfig,
-              "timm": TimmModelConfig, "small_segnet": SmallSegNetConfig, "segmentation": SegmentationModelConfig},
-    "data": {
-        "digits": DigitsDataConfig,
-        "synthetic": SyntheticDataConfig,
-        "imagefolder": ImageFolderDataConfig,
-        "cifar10": Cifar10DataConfig,
-        "shapes": ShapesDataConfig,
-        "voc": VOCDataConfig,
-    },
     "optim": {"sgd": SGDConfig, "adam": AdamConfig, "adamw": AdamConfig},
     "scheduler": {"none": SchedulerConfig, "cosine": CosineSchedulerConfig, "step": StepSchedulerConfig},
     "task": {"classification": ClassificationTaskConfig, "segmentation": SegmentationTaskConfig},
@@ -313,12 +236,96 @@ SCHEMAS = {
 
 
 def register_configs() -> None:
-    """Register the schemas; conf/<group>/<option>.yaml starts from `/schema/<group>/<option>@_here_`."""
+    """Register the schemas; conf/<group>/<option>.yaml starts from `/schema/<group>/<option>@_here_`.
+    The BUILDERS groups stay open to keys their schema doesn't declare: those are the builder's options."""
     cs = ConfigStore.instance()
-    cs.store(name="train", group="schema", node=TrainConfig)
+    train = OmegaConf.structured(TrainConfig)
+    for group in BUILDERS:
+        OmegaConf.set_struct(train._get_node(group), False)
+    cs.store(name="train", group="schema", node=train)
     for group, schemas in SCHEMAS.items():
         for option, schema in schemas.items():
             cs.store(group=f"schema/{group}", name=option, node=schema)
+
+
+HYDRA_KEYS = ("_target_", "_args_", "_convert_", "_recursive_", "_partial_")  # for instantiate, not the builder
+
+
+def builder_options(group_cfg: Any, group: str) -> dict:
+    """`_target_` and its options from a BUILDERS group's config, checked against the builder's own
+    signature: the signature is the options' schema. Every key but the group's own (its schema's) must
+    name a parameter of the builder, other than the arguments the run passes it; each parameter without
+    a default must be given; and each value must fit its parameter's annotation, converted as OmegaConf
+    converts a dataclass field (`int`, `float`, `list[int]`, `str | None`, ...; `Literal[...]` lists the
+    allowed values; an annotation OmegaConf can't check, or none, takes any value)."""
+    schema, run_args = BUILDERS[group]
+    group_keys = {f.name for f in dataclasses.fields(schema)} - {"_target_"}
+    node = group_cfg if isinstance(group_cfg, DictConfig) else OmegaConf.create(group_cfg)
+    values = OmegaConf.to_container(node, resolve=True, throw_on_missing=False)
+    target = values["_target_"]
+    options = {key: value for key, value in values.items() if key not in group_keys and key not in HYDRA_KEYS}
+    if target == MISSING:  # validate names it as a missing key
+        return options
+    try:
+        builder = _locate(target)  # what instantiate imports; get_object would also log the error
+        parameters = inspect.signature(builder, eval_str=True).parameters
+    except (ImportError, AttributeError, NameError, ValueError, TypeError) as error:
+        reason = " ".join(str(error).split())
+        raise ConfigError(f"{group}._target_={target}: can't be imported or inspected ({reason}); "
+                          f"check the module path in conf/{group}/*.yaml") from None
+    specials = {key: value for key, value in values.items() if key in HYDRA_KEYS}
+    if any(p.kind is p.VAR_KEYWORD for p in parameters.values()):  # **kwargs: any key is an option
+        return {**specials, **options}
+    accepted = {name: p for name, p in parameters.items()
+                if p.kind in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY) and name not in run_args}
+    not_taken = [name for name in run_args if name not in parameters]
+    _check(not not_taken, f"{group}._target_={target}: must take {', '.join(not_taken)} as keyword arguments "
+                          f"(the run passes {', '.join(run_args)}); add them to its parameters")
+    for key in options:
+        if key in run_args:
+            raise ConfigError(f"{group}.{key}: the run passes {key} to {target} itself; remove {group}.{key}")
+        if key not in accepted:
+            closest = difflib.get_close_matches(key, accepted, n=1)
+            hint = f"did you mean {group}.{closest[0]}? " if closest else ""
+            raise ConfigError(f"{group}.{key}: unknown key, not an option of {target} ({hint}options: "
+                              f"{', '.join(accepted) or 'none'}); check the spelling")
+    for name, parameter in accepted.items():
+        if name not in options and parameter.default is parameter.empty:
+            raise ConfigError(f"{group}.{name} is required: {target} has no default for it; "
+                              f"set it in conf/{group}/*.yaml or pass {group}.{name}=<value>")
+    annotations = {name: accepted[name].annotation for name in options}
+    return {**specials, **_typed_options(options, annotations, group, target)}
+
+
+def _typed_options(options: dict, annotations: dict, group: str, target: str) -> dict:
+    """`options` converted to their annotations by OmegaConf, through a dataclass made of them."""
+    fields = []
+    for name, annotation in annotations.items():
+        if typing.get_origin(annotation) is typing.Literal:
+            choices, value = typing.get_args(annotation), options[name]
+            _check(value == MISSING or value in choices,
+                   f"{group}.{name}={value}: unknown, use one of {', '.join(map(str, choices))}")
+        fields.append((name, annotation if _omegaconf_checks(annotation) else Any, field(default=MISSING)))
+    typed = OmegaConf.structured(dataclasses.make_dataclass("BuilderOptions", fields))
+    try:
+        typed = OmegaConf.merge(typed, options)
+    except ValidationError as error:
+        name = str(error.full_key).split(".")[0].split("[")[0]
+        reason = str(error).strip().splitlines()[0]
+        raise ConfigError(f"{group}.{error.full_key}: {reason}; {target} takes "
+                          f"{name}: {inspect.formatannotation(annotations[name])}") from None
+    return OmegaConf.to_container(typed, throw_on_missing=False)
+
+
+def _omegaconf_checks(annotation: Any) -> bool:
+    """Whether OmegaConf can type-check a dataclass field with this annotation."""
+    if annotation is inspect.Parameter.empty:
+        return False
+    try:
+        OmegaConf.structured(dataclasses.make_dataclass("probe", [("value", annotation, field(default=MISSING))]))
+    except Exception:  # omegaconf raises ValidationError, and others for annotations it doesn't know
+        return False
+    return True
 
 
 def optimizer_node(optim_cfg) -> dict:
@@ -372,13 +379,14 @@ def _check(ok: bool, message: str) -> None:
 
 
 def _unknown_keys(node: DictConfig, prefix: str = "") -> list[str]:
-    """Keys that no schema declares. Hydra lets `+key=value` add them even to structured configs."""
+    """Keys that no schema declares. Hydra lets `+key=value` add them even to structured configs.
+    The BUILDERS groups' keys are builder_options' to check."""
     schema = OmegaConf.get_type(node)
     known = {f.name for f in dataclasses.fields(schema)} if dataclasses.is_dataclass(schema) else set(node)
     unknown = [prefix + str(key) for key in node if key not in known]
     for key in known & set(node):
         child = node._get_node(key)
-        if isinstance(child, DictConfig) and not child._is_missing():
+        if isinstance(child, DictConfig) and not child._is_missing() and f"{prefix}{key}" not in BUILDERS:
             unknown += _unknown_keys(child, f"{prefix}{key}.")
     return unknown
 
@@ -387,6 +395,8 @@ def validate(cfg: Any, *, launched: bool, world_size: int) -> None:
     """Check what the schema's types can't, before anything is started or written."""
     for key in _unknown_keys(cfg):
         raise ConfigError(f"{key}: unknown key; check the spelling (`python train.py --cfg job` lists the keys)")
+    for group in BUILDERS:
+        builder_options(cfg[group], group)
     for key in sorted(OmegaConf.missing_keys(cfg)):
         raise ConfigError(f"{key} is required: pass {key}=<value> on the command line")
     strategy = cfg.strategy.name
@@ -398,7 +408,7 @@ def validate(cfg: Any, *, launched: bool, world_size: int) -> None:
     _check(cfg.backend in BACKENDS, f"backend={cfg.backend}: unknown, use one of {', '.join(BACKENDS)}")
     _check(cfg.data.batch_size > 0, f"data.batch_size={cfg.data.batch_size}: must be > 0 (it is per process), e.g. data.batch_size=32")
     _check(cfg.data.num_workers >= 0, f"data.num_workers={cfg.data.num_workers}: must be >= 0")
-    if "val_batch_size" in cfg.data:
+    if cfg.data.val_batch_size is not None:
         _check(cfg.data.val_batch_size > 0, f"data.val_batch_size={cfg.data.val_batch_size}: must be > 0, e.g. 1")
     _check(cfg.optim.lr > 0, f"optim.lr={cfg.optim.lr}: must be > 0, e.g. optim.lr=0.01")
     if "momentum" in cfg.optim:  # torch accepts any momentum >= 0; from 1 on, updates grow without bound

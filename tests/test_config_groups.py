@@ -1,6 +1,9 @@
 """Every config group option composes against its schema and builds what it names; the set of keys
 is frozen; the schema rejects mistyped values when the config is composed."""
 
+import inspect
+from typing import Literal
+
 import pytest
 import torch
 from hydra import compose, initialize_config_dir
@@ -13,26 +16,35 @@ from sklearn.datasets import load_digits
 import ddp.config as schema
 from conftest import REPO, check, launch, write_imagefolder
 from data import build_datasets
+from data.digits import build_digits
+from data.shapes import build_shapes
+from data.synthetic import build_synthetic
+from data.vision import build_cifar10, build_imagefolder
+from data.voc import build_voc
 from models import build_model
-from ddp.config import ConfigError, optimizer_node, register_configs, validate
+from models.resnet import build_resnet18
+from models.segmentation import build_segmentation_model, small_segnet
+from models.small_cnn import SmallCNN
+from models.zoo import build_timm, build_torchvision
+from ddp.config import ConfigError, builder_options, optimizer_node, register_configs, validate
 from ddp.run_dir import register_resolvers
 
 register_configs()
 register_resolvers()
 
-# Every option of every group, with the schema its yaml must start from.
+# Every option of every group, with its schema: a dataclass its yaml starts from, or for a model or a
+# dataset the builder its yaml names, whose signature is the schema of its options.
 OPTIONS = {
     "strategy": {"single": schema.StrategyConfig, "dp": schema.StrategyConfig, "ddp": schema.StrategyConfig},
-    "model": {"small_cnn": schema.SmallCNNConfig, "resnet18": schema.ResNet18Config,
-              "torchvision": schema.TorchvisionModelConfig, "timm": schema.TimmModelConfig,
-              "small_segnet": schema.SmallSegNetConfig, "segmentation": schema.SegmentationModelConfig},
+    "model": {"small_cnn": SmallCNN, "resnet18": build_resnet18, "torchvision": build_torchvision, "timm": build_timm,
+              "small_segnet": small_segnet, "segmentation": build_segmentation_model},
     "data": {
-        "digits": schema.DigitsDataConfig,
-        "synthetic": schema.SyntheticDataConfig,
-        "imagefolder": schema.ImageFolderDataConfig,
-        "cifar10": schema.Cifar10DataConfig,
-        "shapes": schema.ShapesDataConfig,
-        "voc": schema.VOCDataConfig,
+        "digits": build_digits,
+        "synthetic": build_synthetic,
+        "imagefolder": build_imagefolder,
+        "cifar10": build_cifar10,
+        "shapes": build_shapes,
+        "voc": build_voc,
     },
     "optim": {"sgd": schema.SGDConfig, "adam": schema.AdamConfig, "adamw": schema.AdamConfig},
     "scheduler": {"none": schema.SchedulerConfig, "cosine": schema.CosineSchedulerConfig, "step": schema.StepSchedulerConfig},
@@ -44,8 +56,8 @@ ALL_OPTIONS = [(group, option) for group, options in OPTIONS.items() for option 
 DEFAULT_KEYS = {
     "strategy.name", "strategy.timeout_s", "strategy.bucket_cap_mb", "strategy.find_unused_parameters",
     "strategy.nproc_per_node", "strategy.max_restarts",
-    "model._target_", "model.weights_path", "model.channels", "model.dropout", "model.norm",
-    "data._target_", "data.batch_size", "data.num_workers", "data.mixup_alpha", "data.cutmix_alpha", "data.split",
+    "model._target_", "model.weights_path", "model.weights_scope", "model.channels", "model.dropout", "model.norm",
+    "data._target_", "data.batch_size", "data.num_workers", "data.mixup_alpha", "data.cutmix_alpha", "data.split", "data.val_batch_size",
     "data.val_fraction", "data.split_seed",
     "optim._target_", "optim.lr", "optim.lr_scaling", "optim.reference_batch_size", "optim.momentum", "optim.weight_decay",
     "optim.nesterov", "scheduler.name", "scheduler.warmup_steps", "scheduler.warmup_epochs",
@@ -61,18 +73,18 @@ DEFAULT_KEYS = {
     "ema.decay", "devices", "backend", "syncbn", "deterministic", "precision", "channels_last", "compile", "compile_mode", "seed", "mode", "resume",
 }
 
-LOADING = {"_target_", "batch_size", "num_workers", "mixup_alpha", "cutmix_alpha", "split"}
+LOADING = {"_target_", "batch_size", "num_workers", "mixup_alpha", "cutmix_alpha", "split", "val_batch_size"}
 # The keys each option adds to its group. Update this list deliberately when adding an option.
 OPTION_KEYS = {
     ("strategy", "single"): {"name", "timeout_s", "bucket_cap_mb", "find_unused_parameters", "nproc_per_node", "max_restarts"},
     ("strategy", "dp"): {"name", "timeout_s", "bucket_cap_mb", "find_unused_parameters", "nproc_per_node", "max_restarts"},
     ("strategy", "ddp"): {"name", "timeout_s", "bucket_cap_mb", "find_unused_parameters", "nproc_per_node", "max_restarts"},
-    ("model", "small_cnn"): {"_target_", "weights_path", "channels", "dropout", "norm"},
-    ("model", "resnet18"): {"_target_", "weights_path", "small_input"},
-    ("model", "torchvision"): {"_target_", "weights_path", "name", "weights", "small_input", "kwargs"},
-    ("model", "timm"): {"_target_", "weights_path", "name", "drop_path_rate", "kwargs"},
-    ("model", "small_segnet"): {"_target_", "weights_path", "width", "aux_loss", "weights_scope"},
-    ("model", "segmentation"): {"_target_", "weights_path", "name", "aux_loss", "weights_scope"},
+    ("model", "small_cnn"): {"_target_", "weights_path", "weights_scope", "channels", "dropout", "norm"},
+    ("model", "resnet18"): {"_target_", "weights_path", "weights_scope", "small_input"},
+    ("model", "torchvision"): {"_target_", "weights_path", "weights_scope", "name", "weights", "small_input", "kwargs"},
+    ("model", "timm"): {"_target_", "weights_path", "weights_scope", "name", "drop_path_rate", "kwargs"},
+    ("model", "small_segnet"): {"_target_", "weights_path", "weights_scope", "width", "aux_loss"},
+    ("model", "segmentation"): {"_target_", "weights_path", "weights_scope", "name", "aux_loss"},
     ("data", "digits"): {*LOADING, "val_fraction", "split_seed"},
     ("data", "synthetic"): {
         *LOADING, "num_samples", "num_val_samples", "image_size", "num_classes", "channels", "data_seed", "augment",
@@ -81,7 +93,7 @@ OPTION_KEYS = {
     ("data", "cifar10"): {*LOADING, "root", "download", "augment", "random_erase", "interpolation"},
     ("data", "shapes"): {*LOADING, "num_samples", "num_val_samples", "image_size", "num_classes", "data_seed", "augment",
                          "max_shapes"},
-    ("data", "voc"): {*LOADING, "root", "num_classes", "base_size", "crop_size", "class_names", "val_batch_size"},
+    ("data", "voc"): {*LOADING, "root", "num_classes", "base_size", "crop_size", "class_names"},
     ("optim", "sgd"): {"_target_", "lr", "lr_scaling", "reference_batch_size", "momentum", "weight_decay", "nesterov"},
     ("optim", "adam"): {"_target_", "lr", "lr_scaling", "reference_batch_size", "weight_decay"},
     ("optim", "adamw"): {"_target_", "lr", "lr_scaling", "reference_batch_size", "weight_decay"},
@@ -120,10 +132,19 @@ def test_every_option_file_is_covered():
 
 @pytest.mark.parametrize("group, option", ALL_OPTIONS, ids=[f"{g}={o}" for g, o in ALL_OPTIONS])
 def test_option_composes_against_its_schema(group, option):
-    """Each option yaml extends the schema it is registered with, and has exactly its frozen keys."""
+    """Each option yaml extends the schema it is registered with, and has exactly its frozen keys; a
+    model's or dataset's yaml names its builder, and sets every option of the builder's signature."""
     cfg = compose_config(f"{group}={option}")
     assert OmegaConf.get_type(cfg) is schema.TrainConfig
-    assert OmegaConf.get_type(cfg[group]) is OPTIONS[group][option]
+    if group in schema.BUILDERS:
+        group_schema, run_args = schema.BUILDERS[group]
+        builder = OPTIONS[group][option]
+        assert OmegaConf.get_type(cfg[group]) is group_schema
+        assert cfg[group]._target_ == f"{builder.__module__}.{builder.__qualname__}"
+        options = set(inspect.signature(builder).parameters) - set(run_args)
+        assert set(builder_options(cfg[group], group)) == {"_target_", *options}
+    else:
+        assert OmegaConf.get_type(cfg[group]) is OPTIONS[group][option]
     assert set(cfg[group]) == OPTION_KEYS[group, option], "update OPTION_KEYS deliberately when adding an option"
     if group == "strategy":
         assert cfg.strategy.name == option
@@ -308,7 +329,6 @@ def test_default_config_keys_are_frozen():
     ("optim.lr=fast", "optim.lr"),
     ("syncbn=maybe", "syncbn"),
     ("strategy.timeout_s=soon", "strategy.timeout_s"),
-    ("model.channels=[a,b]", "model.channels[0]"),
 ])
 def test_schema_rejects_wrong_types_at_compose_time(override, key):
     """A mistyped value fails while composing: the schema's type check, naming the key, before any code sees it."""
@@ -325,3 +345,40 @@ def test_schema_converts_typed_strings():
     assert cfg.optim.lr == 1.0 and type(cfg.optim.lr) is float
     assert cfg.syncbn is True
     assert type(cfg.data.batch_size) is int
+
+
+@pytest.mark.parametrize("override, message", [
+    ("model.channels=[a,b]", "model.channels[0]: Value 'a' of type 'str' could not be converted to Integer; "
+                             "models.small_cnn.SmallCNN takes channels: list[int]"),
+    ("data.val_fraction=most", "data.val_fraction: Value 'most' of type 'str' could not be converted to Float; "
+                               "data.digits.build_digits takes val_fraction: float"),
+    ("model.chanels=[4]", "model.chanels: unknown key, not an option of models.small_cnn.SmallCNN (did you mean "
+                          "model.channels? options: channels, dropout, norm); check the spelling"),
+    ("+model.in_channels=3", "model.in_channels: the run passes in_channels to models.small_cnn.SmallCNN itself"),
+    ("model._target_=models.small_cnn.SmallCN", "model._target_=models.small_cnn.SmallCN: can't be imported"),
+    ("model._target_=models.zoo.check_name", "model._target_=models.zoo.check_name: must take num_classes, in_channels"),
+])
+def test_builder_options_are_checked_against_its_signature_in_one_line(override, message):
+    """A model's or dataset's options compose (the group is open to them), then validation checks them
+    against the builder's signature: an unknown key, a run argument or a mistyped value is one line."""
+    cfg = compose_config(override)
+    with pytest.raises(ConfigError) as error:
+        validate(cfg, launched=False, world_size=1)
+    assert str(error.value).startswith(message) and "\n" not in str(error.value), str(error.value)
+
+
+def choice_builder(num_classes: int, in_channels: int, width: int, act: Literal["relu", "gelu"] = "relu", note=None):
+    return width, act, note
+
+
+def test_builder_options_are_converted_to_the_annotations():
+    """Command-line strings become the builder's types; Literal lists the allowed values; an option
+    without an annotation takes any value; a parameter without a default is required."""
+    node = {"_target_": f"{__name__}.choice_builder", "width": "8", "act": "gelu", "note": [1, "a"], "weights_path": None}
+    assert builder_options(node, "model") == {"_target_": f"{__name__}.choice_builder", "width": 8, "act": "gelu", "note": [1, "a"]}
+    dropout = builder_options(compose_config("model.dropout=0").model, "model")["dropout"]
+    assert dropout == 0.0 and type(dropout) is float
+    with pytest.raises(ConfigError, match=r"^model.act=tanh: unknown, use one of relu, gelu$"):
+        builder_options({**node, "act": "tanh"}, "model")
+    with pytest.raises(ConfigError, match=r"^model.width is required: .*choice_builder has no default for it"):
+        builder_options({"_target_": node["_target_"]}, "model")

@@ -116,15 +116,28 @@ def code_lines(page: Path) -> list[tuple[int, str]]:
     return lines
 
 
+def adding_section_lines(page: Path) -> set[int]:
+    """The line numbers of the README's "Adding a ..." sections: their commands use the files they
+    show, and tests/test_readme_examples.py runs them for real in a copy of the repository."""
+    numbers, inside = set(), False
+    for number, line in enumerate(page.read_text().splitlines(), start=1):
+        if line.startswith("## "):
+            inside = page.name == "README.md" and line.startswith("## Adding a ")
+        if inside:
+            numbers.add(number)
+    return numbers
+
+
 def train_commands() -> list[tuple[str, list[str]]]:
     """Each documented launch of train.py (or of the sbatch script that runs it) and its overrides.
     Those with a `<placeholder>` are left out; a `...` ("and more") is dropped."""
     found = []
     for page in pages():
+        examples = adding_section_lines(page)
         for number, line in code_lines(page):
             words = shlex.split(line)
             scripts = [i for i, word in enumerate(words) if word.endswith(("train.py", ".sbatch"))]
-            if not scripts or "<" in line:
+            if not scripts or "<" in line or number in examples:
                 continue
             args = words[scripts[0] + 1:]
             found.append((f"{page.relative_to(REPO)}:{number}", [a for a in args if a != "..."]))
