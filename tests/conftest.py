@@ -138,3 +138,23 @@ def load_last(cwd):
 def load_results(cwd):
     (run_dir,) = run_dirs(cwd)
     return json.loads((run_dir / "results.json").read_text())
+
+
+def hparams_table(logdir: Path) -> dict[str, dict]:
+    """TensorBoard's HParams table for `logdir` as its own backend builds it (event reader, data provider,
+    hparams plugin): {run: {hparam: value}}."""
+    from google.protobuf import json_format
+    from tensorboard import context
+    from tensorboard.backend.event_processing import data_provider, plugin_event_multiplexer
+    from tensorboard.plugins import base_plugin
+    from tensorboard.plugins.hparams import api_pb2, backend_context, list_session_groups
+
+    multiplexer = plugin_event_multiplexer.EventMultiplexer()
+    multiplexer.AddRunsFromDirectory(str(logdir))
+    multiplexer.Reload()
+    provider = data_provider.MultiplexerDataProvider(multiplexer, str(logdir))
+    backend = backend_context.Context(base_plugin.TBContext(data_provider=provider, logdir=str(logdir)))
+    request = api_pb2.ListSessionGroupsRequest(start_index=0, slice_size=100, allowed_statuses=list(api_pb2.Status.values()))
+    response = list_session_groups.Handler(context.RequestContext(), backend, "", request).run()
+    return {group.name: {name: json_format.MessageToDict(value) for name, value in group.hparams.items()}
+            for group in response.session_groups}
