@@ -39,10 +39,11 @@ class RankZeroWriter:
         """Written into this run's own event dir, unlike SummaryWriter.add_hparams, which opens a
         timestamped subdir; so every job of a sweep shows as one row of one HParams table.
 
-        A resumed run's hparams (its LR, its length) replace an earlier attempt's. TensorBoard keeps the
-        first record of a tag it reads in a run dir, whose event files it reads in name order (by start
-        time), ignores every later one, and its purge on resume drops values, never that record; so the
-        earlier attempts' event files are rewritten without theirs, after this attempt's are on disk."""
+        A resumed run's hparams (its LR, its length) replace an earlier attempt's. The hparams records
+        are metadata only, and TensorBoard keeps the metadata of the first record of a tag it reads in
+        a run dir (its event files in name order, that is by start time), ignoring later ones; its purge
+        on resume drops values, never metadata. So the earlier attempts' event files are rewritten
+        without their hparams records, once this attempt's are on disk."""
         if self.writer is None:
             return
         from torch.utils.tensorboard.summary import hparams
