@@ -11,6 +11,7 @@ import select
 import signal
 import sys
 import threading
+import weakref
 from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
 
@@ -176,7 +177,28 @@ class WorkerSafeDataLoader(DataLoader):
 
     def __iter__(self):
         with _stop_signals_blocked():  # workers start inside, inheriting the blocked signals
-            return super().__iter__()
+            iterator = super().__iter__()
+        if self.num_workers > 0:
+            _iterators_with_workers.add(iterator)
+        return iterator
+
+
+# Every iterator of a WorkerSafeDataLoader in this process that started workers (see shut_down_workers).
+_iterators_with_workers: "weakref.WeakSet" = weakref.WeakSet()
+
+
+def shut_down_workers() -> None:
+    """Shut down the workers of every loader iterator still alive in this process and wait for them,
+    through torch's own shutdown (the one an exhausted or collected iterator runs). For a rank about
+    to exit with its loader still referenced, as a stop's exception holds the loop's frames.
+
+    Left to the interpreter's exit, torch skips its shutdown, and multiprocessing unlinks the queues'
+    named semaphores and only then terminates the workers. A worker still starting (under load, seconds
+    after the first batch; it blocks the stop signals until it has started) then fails to open its
+    queues and prints a FileNotFoundError traceback under the stop's message. Shut down here instead,
+    a starting worker finishes starting, finds the shutdown and exits."""
+    for iterator in list(_iterators_with_workers):
+        iterator._shutdown_workers()
 
 
 def build_train_loader(dataset: Dataset, data_cfg, env: DistEnv, seed: int, pin_memory: bool) -> DataLoader:

@@ -17,6 +17,8 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
+from ddp.loaders import shut_down_workers
+
 log = logging.getLogger(__name__)
 
 STOP_SIGNALS = (signal.SIGTERM, signal.SIGINT)
@@ -83,6 +85,8 @@ class StopOnSignal:
             handler(self.requeue_signal, None)
 
     def __exit__(self, exc_type, exc, traceback) -> None:
+        if isinstance(exc, SystemExit):  # the stop, or submitit's exit after a requeue, ends the process:
+            shut_down_workers()  # now, as at the exit a loader worker still starting would print a traceback
         if isinstance(exc, Interrupted):
             return  # on the way out: the watchdog stays, so a second Ctrl-C during shutdown exits at once
         signal.set_wakeup_fd(self._previous_wakeup)

@@ -23,9 +23,11 @@ class RankZeroWriter:
 
     def __init__(self, log_dir: Path, env: DistEnv, purge_step: int | None = None):
         self.writer = None
+        self.earlier_event_files: list[Path] = []  # an earlier attempt's, in a resumed run's dir
         if env.is_main:  # imported here, on rank 0 only: the import is a noticeable part of start-up
             from torch.utils.tensorboard import SummaryWriter
 
+            self.earlier_event_files = sorted(Path(log_dir).glob("events.out.tfevents.*"))
             # purge_step: a resumed run drops the events the interrupted one logged after its checkpoint.
             self.writer = SummaryWriter(log_dir=str(log_dir), purge_step=purge_step)
 
@@ -45,7 +47,13 @@ class RankZeroWriter:
 
     def add_hparams(self, hparam_dict: dict[str, Any], metric_dict: dict[str, float], step: int) -> None:
         """Written into this run's own event dir, unlike SummaryWriter.add_hparams, which opens a
-        timestamped subdir; so every job of a sweep shows as one row of one HParams table."""
+        timestamped subdir; so every job of a sweep shows as one row of one HParams table.
+
+        A resumed run's hparams (its LR, its length) replace an earlier attempt's. The hparams records
+        are metadata only, and TensorBoard keeps the metadata of the first record of a tag it reads in
+        a run dir (its event files in name order, that is by start time), ignoring later ones; its purge
+        on resume drops values, never metadata. So the earlier attempts' event files are rewritten
+        without their hparams records, once this attempt's are on disk."""
         if self.writer is None:
             return
         from torch.utils.tensorboard.summary import hparams
@@ -55,6 +63,9 @@ class RankZeroWriter:
             file_writer.add_summary(summary)
         for tag, value in metric_dict.items():
             self.writer.add_scalar(tag, value, step)
+        self.writer.flush()
+        for path in self.earlier_event_files:
+            drop_hparams_records(path)
 
     def close(self) -> None:
         if self.writer is not None:
@@ -66,6 +77,32 @@ class RankZeroWriter:
 
     def __exit__(self, *exc_info) -> None:
         self.close()
+
+
+def drop_hparams_records(event_file: Path) -> None:
+    """Rewrites a closed event file without its hparams records, through a temporary file and a rename,
+    so a reader sees the old file or the new one. Every other record stays as it was, byte for byte."""
+    from tensorboard.backend.event_processing.event_file_loader import RawEventFileLoader
+    from tensorboard.compat.proto.event_pb2 import Event
+    from tensorboard.plugins.hparams.metadata import PLUGIN_NAME
+    from tensorboard.summary.writer.record_writer import RecordWriter
+
+    def is_hparams(record: bytes) -> bool:
+        values = Event.FromString(record).summary.value
+        return bool(values) and all(value.metadata.plugin_data.plugin_name == PLUGIN_NAME for value in values)
+
+    records = list(RawEventFileLoader(str(event_file)).Load())
+    kept = [record for record in records if not is_hparams(record)]
+    if len(kept) == len(records):
+        return
+    tmp = event_file.with_name(".rewritten-events.tmp")  # no "tfevents" in it: TensorBoard doesn't read it as a file of the run
+    with open(tmp, "wb") as file:
+        writer = RecordWriter(file)
+        for record in kept:
+            writer.write(record)
+        file.flush()
+        os.fsync(file.fileno())
+    os.replace(tmp, event_file)
 
 
 def write_json(data: dict[str, Any], path: Path) -> None:

@@ -154,22 +154,40 @@ class EMA(nn.Module):
         self.module = copy.deepcopy(model)
         self.decay = decay
         self.n_averaged = 0  # updates so far
+        self._split_tensors()
         self.register_state_dict_post_hook(_save_count)
         self.register_load_state_dict_pre_hook(_load_count)
 
+    def _split_tensors(self) -> None:
+        """Which of the EMA's tensors are averaged (floating point) and which copied (integer buffers),
+        found once rather than at every update. The model's tensors pair with them by position: both
+        list their parameters, then their buffers, in the same order."""
+        tensors = _tensors(self.module)
+        self._floating = [i for i, tensor in enumerate(tensors) if tensor.is_floating_point()]
+        self._integer = [i for i, tensor in enumerate(tensors) if not tensor.is_floating_point()]
+        self._all_tensors = tensors
+        self._floating_tensors = [tensors[i] for i in self._floating]
+        self._integer_tensors = [tensors[i] for i in self._integer]
+
+    def _apply(self, fn, *args, **kwargs) -> "EMA":
+        super()._apply(fn, *args, **kwargs)
+        self._split_tensors()  # .to() and its kin put new tensors in place of the buffers
+        return self
+
     @torch.no_grad()
     def update_parameters(self, model: nn.Module) -> None:
-        averaged = [*self.module.parameters(), *self.module.buffers()]
-        current = [t.detach() for t in (*model.parameters(), *model.buffers())]
+        current = _tensors(model)
         if self.n_averaged == 0:
-            torch._foreach_copy_(averaged, current)
+            torch._foreach_copy_(self._all_tensors, current)
         else:
-            floating = [i for i, t in enumerate(averaged) if t.is_floating_point()]
-            torch._foreach_lerp_([averaged[i] for i in floating], [current[i] for i in floating], 1 - self.decay)
-            for ema_tensor, tensor in zip(averaged, current):
-                if not ema_tensor.is_floating_point():
-                    ema_tensor.copy_(tensor)
+            torch._foreach_lerp_(self._floating_tensors, [current[i] for i in self._floating], 1 - self.decay)
+            if self._integer_tensors:  # a model without BatchNorm has none
+                torch._foreach_copy_(self._integer_tensors, [current[i] for i in self._integer])
         self.n_averaged += 1
+
+
+def _tensors(module: nn.Module) -> list[torch.Tensor]:
+    return [*module.parameters(), *module.buffers()]
 
 
 def _save_count(ema: EMA, state_dict: dict, prefix: str, local_metadata) -> None:

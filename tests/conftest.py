@@ -6,9 +6,12 @@ import os
 os.environ["CUDA_VISIBLE_DEVICES"] = ""
 
 import json  # noqa: E402
+import signal  # noqa: E402
 import socket  # noqa: E402
 import subprocess  # noqa: E402
 import sys  # noqa: E402
+import time  # noqa: E402
+from collections.abc import Callable  # noqa: E402
 from pathlib import Path  # noqa: E402
 
 import numpy as np  # noqa: E402
@@ -47,6 +50,26 @@ def launch(args: list[str], cwd: Path, nproc: int | None = None, env: dict | Non
         command, cwd=cwd, env=clean | defaults | (env or {}),
         capture_output=True, text=True, timeout=timeout,
     )
+
+
+def sigterm_when(process: subprocess.Popen, ready: Callable[[], bool], output: Callable[[], str],
+                 before_signal: Callable[[], None] = lambda: None, timeout_s: float = 90) -> int:
+    """Once `ready()`, SIGTERM to `process` (started in a session of its own); returns its exit code.
+    Fails with `output()` if the process ends first or isn't ready within timeout_s, and on any failure
+    kills its whole process group, so that no run outlives its test."""
+    try:
+        deadline = time.monotonic() + timeout_s
+        while not ready():
+            assert process.poll() is None, f"the run ended before it was ready\n{output()[-6000:]}"
+            assert time.monotonic() < deadline, f"not ready within {timeout_s} s\n{output()[-6000:]}"
+            time.sleep(0.05)
+        before_signal()
+        process.send_signal(signal.SIGTERM)
+        return process.wait(timeout=60)
+    finally:
+        if process.poll() is None:
+            os.killpg(process.pid, signal.SIGKILL)
+            process.wait()
 
 
 def free_port() -> int:
@@ -138,3 +161,23 @@ def load_last(cwd):
 def load_results(cwd):
     (run_dir,) = run_dirs(cwd)
     return json.loads((run_dir / "results.json").read_text())
+
+
+def hparams_table(logdir: Path) -> dict[str, dict]:
+    """TensorBoard's HParams table for `logdir` as its own backend builds it (event reader, data provider,
+    hparams plugin): {run: {hparam: value}}."""
+    from google.protobuf import json_format
+    from tensorboard import context
+    from tensorboard.backend.event_processing import data_provider, plugin_event_multiplexer
+    from tensorboard.plugins import base_plugin
+    from tensorboard.plugins.hparams import api_pb2, backend_context, list_session_groups
+
+    multiplexer = plugin_event_multiplexer.EventMultiplexer()
+    multiplexer.AddRunsFromDirectory(str(logdir))
+    multiplexer.Reload()
+    provider = data_provider.MultiplexerDataProvider(multiplexer, str(logdir))
+    backend = backend_context.Context(base_plugin.TBContext(data_provider=provider, logdir=str(logdir)))
+    request = api_pb2.ListSessionGroupsRequest(start_index=0, slice_size=100, allowed_statuses=list(api_pb2.Status.values()))
+    response = list_session_groups.Handler(context.RequestContext(), backend, "", request).run()
+    return {group.name: {name: json_format.MessageToDict(value) for name, value in group.hparams.items()}
+            for group in response.session_groups}

@@ -217,6 +217,24 @@ def _tasks_of(session: int) -> list[int]:
     return pids
 
 
+def _requeued_by_usr2(args: list[str], ready, cwd: Path):
+    """DDP_RUN with `args` as a 2-task submitit job: once `ready()` returns something true, USR2 to both
+    tasks as SLURM sends it; the job must then be requeued and finish. Returns what `ready()` returned."""
+    sweep = subprocess.Popen([sys.executable, str(TRAIN), *SUBMITIT_LOCAL, *DDP_RUN, *args], cwd=cwd, env=launch_env(),
+                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True)
+    deadline = time.monotonic() + 120
+    while not (found := ready()):
+        assert sweep.poll() is None and time.monotonic() < deadline, f"not ready: {args}"
+        time.sleep(0.02)
+    tasks = _tasks_of(sweep.pid)
+    assert len(tasks) == 2
+    for pid in tasks:
+        os.kill(pid, signal.SIGUSR2)
+    output, _ = sweep.communicate(timeout=240)
+    assert sweep.returncode == 0, output[-6000:]
+    return found
+
+
 def test_a_requeued_submitit_job_saves_on_the_signal_and_resumes_bit_identically(one_node, tmp_path):
     """SLURM sends USR2 to every task before the time limit (and on preemption): the run saves at the
     next step boundary, submitit requeues the job with the same overrides into the same dir, and it
@@ -224,19 +242,9 @@ def test_a_requeued_submitit_job_saves_on_the_signal_and_resumes_bit_identically
     # Checkpoints every 4 steps, and rank 1 takes 100 ms longer per step: 1.6 s of training in all,
     # time enough to signal it after the first checkpoint. Neither changes what is computed.
     slower = ["checkpoint.every_n_steps=4", "fault.slow_rank=1", "fault.slow_ms=100"]
-    sweep = subprocess.Popen([sys.executable, str(TRAIN), *SUBMITIT_LOCAL, *DDP_RUN, *slower], cwd=tmp_path, env=launch_env(),
-                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True)
-    deadline = time.monotonic() + 120
-    while not (saved := list(tmp_path.glob("outputs/multirun/*/0_*/checkpoints/step-*.pt"))):  # training, and saving
-        assert sweep.poll() is None and time.monotonic() < deadline, "no checkpoint"
-        time.sleep(0.05)
+    saved = _requeued_by_usr2(slower, lambda: list(tmp_path.glob("outputs/multirun/*/0_*/checkpoints/step-*.pt")),
+                              tmp_path)  # training, and saving
     saved_step = int(saved[0].stem.split("-")[1])
-    tasks = _tasks_of(sweep.pid)
-    assert len(tasks) == 2
-    for pid in tasks:
-        os.kill(pid, signal.SIGUSR2)
-    output, _ = sweep.communicate(timeout=240)
-    assert sweep.returncode == 0, output[-6000:]
 
     job_dir = the_job_dir(tmp_path)
     rank0 = (job_dir / "train_rank0.log").read_text()
@@ -254,18 +262,8 @@ def test_a_requeue_signal_during_a_long_validation_still_requeues_the_job(one_no
     check step comes in time, so the ranks exit without a new checkpoint, yet submitit requeues the
     job, which resumes from its last periodic checkpoint and finishes as if never stopped."""
     slower = ["checkpoint.every_n_steps=4", "fault.slow_val_ms=800", "trainer.stop_deadline_s=0.5"]
-    sweep = subprocess.Popen([sys.executable, str(TRAIN), *SUBMITIT_LOCAL, *DDP_RUN, *slower], cwd=tmp_path, env=launch_env(),
-                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True)
-    deadline = time.monotonic() + 120
-    while not any("fault.slow_val_ms" in log.read_text() for log in tmp_path.glob("outputs/multirun/*/0_*/train_rank0.log")):
-        assert sweep.poll() is None and time.monotonic() < deadline, "no validation"
-        time.sleep(0.02)
-    tasks = _tasks_of(sweep.pid)
-    assert len(tasks) == 2
-    for pid in tasks:
-        os.kill(pid, signal.SIGUSR2)
-    output, _ = sweep.communicate(timeout=240)
-    assert sweep.returncode == 0, output[-6000:]
+    _requeued_by_usr2(slower, lambda: any("fault.slow_val_ms" in log.read_text()
+                                          for log in tmp_path.glob("outputs/multirun/*/0_*/train_rank0.log")), tmp_path)
 
     job_dir = the_job_dir(tmp_path)
     rank0 = (job_dir / "train_rank0.log").read_text()

@@ -17,7 +17,7 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from conftest import TINY, TORCHRUN, TRAIN, check, free_port, launch, run_dirs
+from conftest import TINY, TORCHRUN, TRAIN, check, free_port, launch, run_dirs, sigterm_when
 from train import TrainingLength
 
 # 96 samples, batch 4: 2 ranks take 12 steps per epoch; one process accumulates 2 batches per step.
@@ -140,17 +140,8 @@ def test_stopped_at_an_epochs_partial_last_batch_two_ranks_resume_in_one_process
     with open(tmp_path / "ddp.out", "w") as out:
         process = subprocess.Popen(command, cwd=tmp_path, env=env | {"PYTHONUNBUFFERED": "1", "TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1"},
                                    stdout=out, stderr=subprocess.STDOUT, start_new_session=True)
-    try:
-        deadline = time.monotonic() + 90
-        while not (samples / "rank0_attempt0.jsonl").exists():  # written as rank 0 starts its first batch
-            assert process.poll() is None and time.monotonic() < deadline, (tmp_path / "ddp.out").read_text()[-6000:]
-            time.sleep(0.05)
-        process.send_signal(signal.SIGTERM)
-        returncode = process.wait(timeout=60)
-    finally:
-        if process.poll() is None:
-            os.killpg(process.pid, signal.SIGKILL)
-            process.wait()
+    # rank 0 writes the file as it starts its first batch
+    returncode = sigterm_when(process, (samples / "rank0_attempt0.jsonl").exists, (tmp_path / "ddp.out").read_text)
     assert returncode != 0, (tmp_path / "ddp.out").read_text()[-6000:]
     checkpoint = torch.load(run_dir / "checkpoints" / "last.pt", weights_only=True)
     assert (checkpoint["epoch"], checkpoint["batch_in_epoch"], checkpoint["global_step"]) == (0, 7, 7)

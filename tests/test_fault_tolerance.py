@@ -26,7 +26,7 @@ import pytest
 import torch
 from torch.utils.data import DistributedSampler
 
-from conftest import REPO, TINY, TORCHRUN, TRAIN, check, launch, run_dirs
+from conftest import REPO, TINY, TORCHRUN, TRAIN, check, launch, run_dirs, sigterm_when
 from ids_and_noise import IdsAndNoise
 from ddp.checkpoint import CheckpointError, load_checkpoint, save_checkpoint, save_step_checkpoint
 from ddp.env import DistEnv
@@ -476,20 +476,13 @@ def test_sigterm_to_torchrun_saves_a_checkpoint_and_the_run_resumes(tmp_path):
     with open(tmp_path / "stdout.txt", "w") as stdout, open(tmp_path / "stderr.txt", "w") as stderr:
         process = subprocess.Popen(command, cwd=tmp_path, env=_clean_env(), stdout=stdout, stderr=stderr,
                                    start_new_session=True)
-        try:
-            deadline = time.monotonic() + 90
-            while not (log_file.exists() and "global_batch=" in log_file.read_text()):
-                assert process.poll() is None, "the run ended before training"
-                assert time.monotonic() < deadline, "training never started"
-                time.sleep(0.1)
+
+        def two_seconds_into_training_with_nothing_saved():
             time.sleep(2)
             assert not (run_dir / "checkpoints").exists()  # nothing saved yet: the save must come from SIGTERM
-            process.send_signal(signal.SIGTERM)
-            returncode = process.wait(timeout=60)
-        finally:
-            if process.poll() is None:
-                os.killpg(process.pid, signal.SIGKILL)
-                process.wait()
+
+        returncode = sigterm_when(process, lambda: log_file.exists() and "global_batch=" in log_file.read_text(),
+                                  (tmp_path / "stderr.txt").read_text, before_signal=two_seconds_into_training_with_nothing_saved)
     logs = (tmp_path / "stdout.txt").read_text() + (tmp_path / "stderr.txt").read_text()
     assert returncode != 0, logs
     assert (run_dir / "checkpoints" / "last.pt").is_file(), f"no checkpoint after SIGTERM\n{logs[-6000:]}"

@@ -15,7 +15,7 @@ from pathlib import Path
 
 import pytest
 
-from conftest import TINY, TORCHRUN, TRAIN, check, job_dir, job_numbers, run_dirs
+from conftest import REPO, TINY, TORCHRUN, TRAIN, check, job_dir, job_numbers, run_dirs
 from ddp.checkpoint import load_checkpoint
 from test_fault_tolerance import _clean_env, assert_bit_identical, last_checkpoint
 
@@ -100,6 +100,17 @@ def test_ctrl_c_saves_at_the_next_step_and_the_printed_command_finishes_bit_iden
     reference.mkdir()
     check(subprocess.run([*command, *bounded], cwd=reference, env=_clean_env(), capture_output=True, text=True, timeout=180))
     assert_bit_identical(last_checkpoint(run_dir), last_checkpoint(run_dirs(reference)[0]))
+
+
+def test_a_stop_while_a_loader_worker_is_still_starting_exits_without_a_traceback(tmp_path):
+    """Under load a Ctrl-C can land at step 1, while a loader worker is still starting (unpickling
+    its queues). The stop still exits 130 with nothing on the console but its own lines."""
+    script = REPO / "tests" / "workers" / "stop_while_a_loader_worker_starts.py"
+    result = subprocess.run([sys.executable, str(script), str(tmp_path / "started")], cwd=REPO,
+                            env=_clean_env() | {"PYTHONPATH": str(REPO)}, capture_output=True, text=True, timeout=120)
+    assert result.stdout.strip() == "a worker was still starting: True", result.stdout + result.stderr
+    assert result.returncode == 130, result.stderr[-3000:]
+    assert "Traceback" not in result.stderr, result.stderr[-3000:]
 
 
 def test_a_second_ctrl_c_exits_at_once_and_the_saved_checkpoint_still_loads(tmp_path):

@@ -11,7 +11,8 @@ import torch
 from omegaconf import OmegaConf
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
-from conftest import REPO, TINY, TORCHRUN, TRAIN, check, launch, load_last, load_results, run_dirs, write_imagefolder
+from conftest import (REPO, TINY, TORCHRUN, TRAIN, check, hparams_table, launch, load_last, load_results, run_dirs,
+                      write_imagefolder)
 from data import build_datasets
 from ddp.env import DistEnv
 from ddp.loaders import build_val_loader
@@ -169,12 +170,16 @@ def test_logged_lr_is_the_schedule_step_for_step_across_a_resume_in_warmup(tmp_p
 
 def test_a_resume_with_a_changed_lr_trains_at_it_and_reports_it(tmp_path):
     """4 updates at optim.lr=0.05, then resumed with optim.lr=0.5 up to update 8: the optimizer trains
-    at 0.5 (not the checkpoint's 0.05), and train/lr (TensorBoard's reader), results.json and the
-    optimizer's state in the final checkpoint all say so."""
+    at 0.5 (not the checkpoint's 0.05), and train/lr (TensorBoard's reader), results.json, the
+    optimizer's state in the final checkpoint and the HParams table (TensorBoard's own backend) all
+    say so, with each attempt's events in its one file."""
     args = ["strategy=single", *TINY, "trainer.log_every_n_steps=1"]
     check(launch([*args, "trainer.max_steps=4"], tmp_path))
     (run_dir,) = run_dirs(tmp_path)
+    assert hparams_table(run_dir)["."]["lr"] == pytest.approx(0.05)
     check(launch([*args, "trainer.max_steps=8", "optim.lr=0.5", f"resume={run_dir}"], tmp_path))
+    assert len(list(run_dir.glob("events.out.tfevents*"))) == 2  # one per attempt
+    assert hparams_table(run_dir)["."]["lr"] == pytest.approx(0.5)
     accumulator = EventAccumulator(str(run_dir))
     accumulator.Reload()
     logged = [(e.step, e.value) for e in accumulator.Scalars("train/lr")]

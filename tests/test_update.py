@@ -140,6 +140,23 @@ def test_ema_copies_on_its_first_update_then_lerps_towards_the_weights_by_one_mi
     assert ema.n_averaged == 2
 
 
+@pytest.mark.parametrize("norm", ["batch", "group"])
+def test_ema_updates_the_tensors_it_holds_after_to_and_without_integer_buffers(norm):
+    """The EMA finds its tensors once; .to() (here .double().float()) puts new tensors in place of its
+    buffers, and the updates go into those. GroupNorm leaves no integer buffer to copy."""
+    model = small_model(norm)
+    ema = build_ema(model, 0.9).double().float()
+    first = trained_a_little(model, seed=1)
+    ema.update_parameters(model)
+    second = trained_a_little(model, seed=2)
+    ema.update_parameters(model)
+    averaged = ema.module.state_dict()
+    assert averaged.keys() == second.keys()
+    for key, value in averaged.items():
+        expected = torch.lerp(first[key], second[key], 1 - 0.9) if value.is_floating_point() else second[key]
+        torch.testing.assert_close(value, expected, rtol=0, atol=0, msg=lambda m, key=key: f"{key}: {m}")
+
+
 def test_ema_checkpoint_is_averaged_models_both_ways():
     """The state_dict keeps torch.optim.swa_utils.AveragedModel's format (`module.<key>`, `n_averaged`):
     checkpoints written before the EMA stopped using AveragedModel still resume, and an EMA
