@@ -105,7 +105,7 @@ def resume_training(resumed: tuple[Path, dict[str, Any]], update, base_lr: float
     path, checkpoint = resumed
     update.optimizer.load_state_dict(checkpoint["optimizer"])
     update.load_state_dict(checkpoint)
-    resume_schedule(update.optimizer, update.scheduler, base_lr, total_updates)
+    resume_schedule(update.optimizer, update.scheduler, base_lr, total_updates, is_main=rank == 0)
     return resume_position(path, checkpoint, batch_size, world_size, rank, train_size)
 
 

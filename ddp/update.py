@@ -264,16 +264,17 @@ def build_scheduler(scheduler_cfg, optimizer: torch.optim.Optimizer, total_updat
 
 
 def resume_schedule(optimizer: torch.optim.Optimizer, scheduler: PlannedLR | None, base_lr: float,
-                    total_updates: int) -> None:
+                    total_updates: int, is_main: bool = True) -> None:
     """After a resume loaded the optimizer's and the scheduler's states, which hold the base LR and
     length of the run that saved them: continue at this run's base LR (`scaled_lr`: a changed optim.lr,
     or lr_scaling at another global batch), the schedule rescaled to it, and end a cosine decay at this
     run's last update. A changed length re-plans the decay from the LR it has reached down to min_lr
     at the new end, so extending a run never raises its LR (past its end, the LR stays at min_lr).
-    The warmup, min_lr and milestones continue as the checkpoint planned them."""
+    The warmup, min_lr and milestones continue as the checkpoint planned them. A changed base LR is a
+    warning on the main rank only (`is_main`): every rank's console would repeat it."""
     saved_base_lr = scheduler.base_lrs[0] if scheduler else optimizer.param_groups[0]["lr"]
     if base_lr != saved_base_lr:
-        log.warning("optim.lr: the checkpoint trained at a base LR of %g, this run's is %g (optim.lr, optim.lr_scaling "
+        log.log(logging.WARNING if is_main else logging.INFO, "optim.lr: the checkpoint trained at a base LR of %g, this run's is %g (optim.lr, optim.lr_scaling "
                     "at its global batch): it applies from here, the schedule rescaled to it", saved_base_lr, base_lr)
     if scheduler is None:
         for group in optimizer.param_groups:
