@@ -529,6 +529,10 @@ def main(cfg: DictConfig) -> float:
         if in_sweep and not env.launched:
             raise error  # this job fails, the sweep goes on, and its summary says why
         sys.stderr.write(f"error: {error}\n")  # one write: ranks printing at once keep their lines whole
+        if in_sweep and env.launcher == "submitit":
+            # submitit records the job as failed and the sweep learns why; after an exit it finds no
+            # result, and without SLURM accounting (sacct) it would wait for one forever
+            raise error
         sys.exit(1)
     except Exception as error:
         if in_sweep and env.launched:
