@@ -83,7 +83,8 @@ EOF
 install() {
     need_root install
     command -v apt-get >/dev/null || fail "no apt-get here: install SLURM (slurmctld, slurmd, the client commands) and munge with this system's package manager"
-    apt-get install -y --no-install-recommends $PACKAGES
+    apt-get update -qq
+    DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends $PACKAGES
 }
 
 start() {
