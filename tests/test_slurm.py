@@ -28,7 +28,8 @@ SLURM_COMMANDS = ("munged", "slurmctld", "slurmd", "sbatch", "scontrol", "scance
 SEARCH_PATH = os.pathsep.join([os.environ.get("PATH", ""), "/usr/sbin", "/sbin"])
 
 # Rank 1 takes 200 ms longer per step (3.2 s of training, which this doesn't change otherwise): a
-# signal sent once training has started arrives before it ends (within a second here, under load).
+# signal sent once training has started arrives before it ends (it took under a second on a loaded
+# 2-core machine).
 SLOWER = ["fault.slow_rank=1", "fault.slow_ms=200"]
 TRAINING_STARTED = "strategy=ddp world_size=2"  # rank 0's last line before the loop
 
@@ -109,8 +110,10 @@ def sbatch(run_dir: Path, log_dir: Path, overrides: list[str]) -> str:
 
 
 def stop_line(rank0_log: str, signal_name: str) -> tuple[str, int]:
-    (line,) = [line for line in rank0_log.splitlines() if f"stopped by {signal_name} at step" in line]
-    return line, int(line.split("at step ")[1].split()[0])
+    """Rank 0's line on the stop that saved, and its step."""
+    lines = [line for line in rank0_log.splitlines() if f"stopped by {signal_name} at step" in line]
+    assert len(lines) == 1, f"not one 'stopped by {signal_name}' line in rank 0's log:\n{rank0_log[-4000:]}"
+    return lines[0], int(lines[0].split("at step ")[1].split()[0])
 
 
 # --- scripts/slurm/ddp.sbatch -----------------------------------------------------------------------
