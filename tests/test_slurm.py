@@ -181,7 +181,9 @@ def shared(name: str, produce, tmp_path_factory) -> tuple[Path, dict]:
     with open(base / f"{name}.lock", "w") as lock:
         fcntl.flock(lock, fcntl.LOCK_EX)
         if not result_file.exists():
-            cwd.mkdir(exist_ok=True)
+            if cwd.exists():
+                pytest.fail(f"{name} failed in an earlier test: see its error")
+            cwd.mkdir()
             result_file.write_text(json.dumps(produce(cwd)))
     return cwd, json.loads(result_file.read_text())
 
