@@ -34,7 +34,7 @@ SLOWER = ["fault.slow_rank=1", "fault.slow_ms=200"]
 TRAINING_STARTED = "strategy=ddp world_size=2"  # rank 0's last line before the loop
 
 
-@pytest.fixture(scope="module", autouse=True)
+@pytest.fixture(scope="session", autouse=True)  # session: before the session's reference run
 def cluster() -> None:
     """The one-node cluster, started if it isn't running."""
     script = LOCAL_CLUSTER.relative_to(REPO)

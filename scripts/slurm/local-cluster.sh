@@ -106,12 +106,13 @@ start() {
     mkdir -p "$STATE_DIR/slurmctld" "$STATE_DIR/slurmd" "$LOG_DIR" /run/munge
     chown slurm: "$STATE_DIR/slurmctld" "$LOG_DIR"
     chown munge: /run/munge
+    # 9>&-: the daemons don't inherit the lock, which would block every later start or stop
     if ! running "$MUNGE_PID"; then
         [[ -s /etc/munge/munge.key ]] || runuser -u munge -- mungekey --create
-        runuser -u munge -- munged --force
+        runuser -u munge -- munged --force 9>&-
     fi
-    running "$SLURMCTLD_PID" || slurmctld
-    running "$SLURMD_PID" || slurmd -N localhost
+    running "$SLURMCTLD_PID" || slurmctld 9>&-
+    running "$SLURMD_PID" || slurmd -N localhost 9>&-
     local waited=0
     until node_ready; do
         # a node left down or drained by an earlier run (its jobs killed, its daemons stopped) takes jobs again
