@@ -11,7 +11,7 @@ SMOKE := data=synthetic data.num_samples=256 data.num_val_samples=64 data.batch_
 export TORCH_DISABLE_SHARE_RDZV_TCP_STORE := 1
 
 .DEFAULT_GOAL := help
-.PHONY: help install train test smoke-test gpu-check sweep bench tensorboard
+.PHONY: help install train test smoke-test gpu-check sweep bench tensorboard slurm-up slurm-down
 
 help: ## List the targets
 	@grep -E '^[a-z-]+:.*## ' $(MAKEFILE_LIST) | awk -F':.*## ' '{printf "  make %-12s %s\n", $$1, $$2}'
@@ -46,3 +46,9 @@ bench: install ## train.py against a plain hand-written DDP loop, side by side: 
 
 tensorboard: install ## Serve outputs/ on http://127.0.0.1:6006
 	$(VENV)/bin/tensorboard --logdir outputs --host 127.0.0.1 --port 6006
+
+slurm-up: ## Start a one-node SLURM on this machine, to try the cluster path (root; scripts/slurm/local-cluster.sh install first)
+	scripts/slurm/local-cluster.sh start
+
+slurm-down: ## Stop the one-node SLURM
+	scripts/slurm/local-cluster.sh stop

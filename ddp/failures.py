@@ -47,6 +47,10 @@ def end_failed_job(error: BaseException, hydra_cfg, cfg, env: DistEnv) -> BaseEx
         if in_sweep and not env.launched:
             return error  # this job fails, the sweep goes on, and its summary says why
         sys.stderr.write(f"error: {error}\n")  # one write: ranks printing at once keep their lines whole
+        if in_sweep and env.launcher == "submitit":
+            # submitit records the job as failed and the sweep learns why; after an exit it finds no
+            # result, and without SLURM accounting (sacct) it would wait for one forever
+            return error
         sys.exit(1)
     if isinstance(error, Exception) and in_sweep:
         if env.launched:

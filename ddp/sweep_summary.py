@@ -43,15 +43,28 @@ class SweepSummary(Callback):
         _add_row(summary_row(config.hydra.job.num, job_return.overrides, config, job_dir, failure), Path(config.hydra.sweep.dir),
                  config.task)
 
+    def on_multirun_start(self, config: DictConfig, **kwargs: Any) -> None:
+        if "submitit" in config.hydra.launcher._target_:
+            # A failed job makes Hydra end the sweep without on_multirun_end: summarise at exit then.
+            atexit.register(summarise_job_dirs, Path(config.hydra.sweep.dir))
+
     def on_multirun_end(self, config: DictConfig, **kwargs: Any) -> None:
         if "submitit" in config.hydra.launcher._target_:
-            sweep_dir = Path(config.hydra.sweep.dir)
-            jobs = sorted((int(hydra_dir.parent.name.split("_", 1)[0]), hydra_dir) for hydra_dir in sweep_dir.glob("*/.hydra"))
-            for job_num, hydra_dir in jobs:  # job dirs are named <job number>_<swept values>
-                overrides = list(OmegaConf.load(hydra_dir / "overrides.yaml"))
-                job_cfg = OmegaConf.load(hydra_dir / "config.yaml")
-                _add_row(summary_row(job_num, overrides, job_cfg, hydra_dir.parent, failure=None), sweep_dir, job_cfg.task)
+            summarise_job_dirs(Path(config.hydra.sweep.dir))
         print_summary()
+
+
+def summarise_job_dirs(sweep_dir: Path) -> None:
+    """The summary of a sweep whose jobs ran in processes of their own (submitit), from their job dirs;
+    a job without results.json failed. Once per sweep."""
+    if _rows:
+        return
+    jobs = sorted((int(hydra_dir.parent.name.split("_", 1)[0]), hydra_dir) for hydra_dir in sweep_dir.glob("*/.hydra"))
+    for job_num, hydra_dir in jobs:  # job dirs are named <job number>_<swept values>
+        overrides = list(OmegaConf.load(hydra_dir / "overrides.yaml"))
+        job_cfg = OmegaConf.load(hydra_dir / "config.yaml")
+        _add_row(summary_row(job_num, overrides, job_cfg, hydra_dir.parent, failure=None), sweep_dir, job_cfg.task)
+    print_summary()
 
 
 def record_failed_job(hydra_cfg: DictConfig, cfg: DictConfig, error: BaseException) -> None:

@@ -101,6 +101,24 @@ def ddp_run(tmp_path_factory):
     return cwd, result
 
 
+def final_weights(run_dir: Path) -> dict[str, torch.Tensor]:
+    return torch.load(run_dir / "checkpoints" / "last.pt", weights_only=True)["model"]
+
+
+def assert_same_weights(actual: dict, expected: dict) -> None:
+    assert actual.keys() == expected.keys()
+    different = [key for key in expected if not torch.equal(actual[key], expected[key])]
+    assert not different, different
+
+
+@pytest.fixture(scope="session")
+def one_node(ddp_run) -> dict[str, torch.Tensor]:
+    """The final weights of ddp_run (torchrun, 1 node x 2 processes): what every other launch of
+    DDP_RUN must end with."""
+    (run_dir,) = run_dirs(ddp_run[0])
+    return final_weights(run_dir)
+
+
 @pytest.fixture(scope="session")
 def plain_ddp_run(tmp_path_factory):
     """2 ranks without SyncBN, so each rank's BatchNorm statistics drift apart; train.py runs under

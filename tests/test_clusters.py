@@ -11,12 +11,11 @@ import time
 from pathlib import Path
 
 import pytest
-import torch
 
 from hydra import compose, initialize_config_dir
 from hydra.utils import instantiate
 
-from conftest import DDP_RUN, REPO, TORCHRUN, TRAIN, check, free_port, launch, run_dirs
+from conftest import DDP_RUN, REPO, TORCHRUN, TRAIN, assert_same_weights, check, final_weights, free_port, launch, run_dirs
 from ddp.config import register_configs
 from ddp.env import DistEnv
 from ddp.run_dir import register_resolvers
@@ -96,25 +95,7 @@ def test_the_slurm_launcher_runs_one_task_per_gpu(tmp_path, monkeypatch):
     assert launcher.params["max_num_timeout"] > 0  # requeued after a timeout
 
 
-# --- real launches: every one trains conftest's DDP_RUN, and must end with ddp_run's weights --------
-
-
-def final_weights(run_dir: Path) -> dict[str, torch.Tensor]:
-    return torch.load(run_dir / "checkpoints" / "last.pt", weights_only=True)["model"]
-
-
-def assert_same_weights(actual: dict, expected: dict) -> None:
-    assert actual.keys() == expected.keys()
-    different = [key for key in expected if not torch.equal(actual[key], expected[key])]
-    assert not different, different
-
-
-@pytest.fixture(scope="module")
-def one_node(ddp_run) -> dict[str, torch.Tensor]:
-    """The reference: torchrun, 1 node x 2 processes."""
-    (run_dir,) = run_dirs(ddp_run[0])
-    return final_weights(run_dir)
-
+# --- real launches: every one trains conftest's DDP_RUN, and must end with ddp_run's weights (one_node) -
 
 
 def launch_env(share_store: bool = False) -> dict[str, str]:

@@ -1,0 +1,257 @@
+"""SLURM itself: a one-node cluster on this machine (scripts/slurm/local-cluster.sh) runs
+scripts/slurm/ddp.sbatch and hydra/launcher=slurm for real. Jobs are submitted with sbatch, signalled
+with scancel, requeued by SLURM and resumed, or cancelled. Every training job runs conftest's DDP_RUN
+and must end with the weights of torchrun 1 x 2 (one_node).
+
+Without SLURM's packages, or without root to start the cluster, the module skips; with the packages
+and root, a cluster that doesn't start is an error."""
+
+import csv
+import fcntl
+import json
+import os
+import re
+import shutil
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from conftest import DDP_RUN, REPO, TRAIN, assert_same_weights, final_weights, free_port
+
+LOCAL_CLUSTER = REPO / "scripts" / "slurm" / "local-cluster.sh"
+SBATCH_SCRIPT = REPO / "scripts" / "slurm" / "ddp.sbatch"
+# The daemons live in sbin, which a user's PATH may lack.
+SLURM_COMMANDS = ("munged", "slurmctld", "slurmd", "sbatch", "scontrol", "scancel")
+SEARCH_PATH = os.pathsep.join([os.environ.get("PATH", ""), "/usr/sbin", "/sbin"])
+
+# Rank 1 takes 200 ms longer per step (3.2 s of training, which this doesn't change otherwise): a
+# signal sent once training has started arrives before it ends (it took under a second on a loaded
+# 2-core machine).
+SLOWER = ["fault.slow_rank=1", "fault.slow_ms=200"]
+TRAINING_STARTED = "strategy=ddp world_size=2"  # rank 0's last line before the loop
+
+
+@pytest.fixture(scope="session", autouse=True)  # session: before the session's reference run
+def cluster() -> None:
+    """The one-node cluster, started if it isn't running."""
+    script = LOCAL_CLUSTER.relative_to(REPO)
+    missing = [name for name in SLURM_COMMANDS if shutil.which(name, path=SEARCH_PATH) is None]
+    if missing:
+        pytest.skip(f"SLURM isn't installed ({' '.join(missing)} missing): sudo {script} install && sudo {script} start")
+    if subprocess.run([LOCAL_CLUSTER, "status"], capture_output=True).returncode == 0:
+        return
+    if os.geteuid() != 0:
+        pytest.skip(f"the one-node SLURM isn't running, and starting it needs root: sudo {script} start")
+    started = subprocess.run([LOCAL_CLUSTER, "start"], capture_output=True, text=True, timeout=120)
+    assert started.returncode == 0, f"SLURM is installed but {script} start failed:\n{started.stdout}{started.stderr}"
+
+
+def job_env(**variables: str) -> dict[str, str]:
+    """What a submitted job inherits (sbatch exports the submitter's environment): the venv's commands
+    first, and one thread per rank, as torchrun sets for several processes per node (the reference's
+    reductions)."""
+    env = {k: v for k, v in os.environ.items() if k not in ("RANK", "LOCAL_RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")}
+    return env | {"PATH": os.pathsep.join([str(Path(sys.executable).parent), SEARCH_PATH]), "PYTHONUNBUFFERED": "1",
+                  "OMP_NUM_THREADS": "1"} | variables
+
+
+def job_info(job_id: str) -> dict[str, str]:
+    """SLURM's record of a job (`scontrol show job`): JobState, Reason, Restarts, ExitCode, ..."""
+    shown = subprocess.run(["scontrol", "show", "job", "--oneliner", job_id], capture_output=True, text=True, check=True)
+    return dict(re.findall(r"(\w+)=(\S*)", shown.stdout))
+
+
+def wait_for(condition, what: str, timeout_s: float = 300, alive=lambda: True):
+    """Polls `condition` until it returns something true, which this returns."""
+    deadline = time.monotonic() + timeout_s
+    while not (result := condition()):
+        assert alive(), f"ended before {what}"
+        assert time.monotonic() < deadline, f"no {what} within {timeout_s:g} s"
+        time.sleep(0.1)
+    return result
+
+
+def log_says(path_pattern: str, text: str, root: Path):
+    return lambda: any(text in path.read_text() for path in root.glob(path_pattern))
+
+
+ACTIVE = ("PENDING", "RUNNING", "COMPLETING", "REQUEUED", "CONFIGURING")
+
+
+def release_requeued(job_id: str) -> dict[str, str]:
+    """Waits until SLURM has requeued the job, then lets it start now instead of after the begin time
+    that SLURM gives a requeued job (about two minutes)."""
+    def requeued() -> dict[str, str] | None:
+        info = job_info(job_id)
+        assert info["JobState"] in ACTIVE, f"job {job_id} ended without a requeue: {info['JobState']} {info['ExitCode']}"
+        return info if info["Restarts"] != "0" and info["JobState"] == "PENDING" else None
+
+    info = wait_for(requeued, f"requeue of job {job_id}")
+    subprocess.run(["scontrol", "update", f"JobId={job_id}", "StartTime=now"], check=True)
+    return info
+
+
+def ended(job_id: str) -> dict[str, str]:
+    return wait_for(lambda: (info := job_info(job_id))["JobState"] not in ACTIVE and info, f"end of job {job_id}")
+
+
+def sbatch(run_dir: Path, log_dir: Path, overrides: list[str]) -> str:
+    """Submits scripts/slurm/ddp.sbatch on one node with 2 processes (no GPUs) from the repo root;
+    returns the job id."""
+    submitted = subprocess.run(
+        ["sbatch", "--parsable", "--nodes=1", "--gpus-per-node=0", "--cpus-per-task=1", f"--output={log_dir}/slurm-%j.out",
+         str(SBATCH_SCRIPT), *DDP_RUN[1:], *overrides],  # the script sets strategy=ddp
+        cwd=REPO, env=job_env(NPROC_PER_NODE="2", RUN_DIR=str(run_dir), RDZV_PORT=str(free_port())),
+        capture_output=True, text=True, check=True)
+    return submitted.stdout.strip()
+
+
+def stop_line(rank0_log: str, signal_name: str) -> tuple[str, int]:
+    """Rank 0's line on the stop that saved, and its step."""
+    lines = [line for line in rank0_log.splitlines() if f"stopped by {signal_name} at step" in line]
+    assert len(lines) == 1, f"not one 'stopped by {signal_name}' line in rank 0's log:\n{rank0_log[-4000:]}"
+    return lines[0], int(lines[0].split("at step ")[1].split()[0])
+
+
+# --- scripts/slurm/ddp.sbatch -----------------------------------------------------------------------
+
+
+def test_the_sbatch_script_requeues_itself_on_usr1_and_resumes_bit_identically(one_node, tmp_path):
+    """SLURM's warning before the time limit (--signal=B:USR1) reaches the batch script, whose trap
+    requeues the job; SLURM's SIGTERM then reaches every rank, which saves; the requeued job (same id,
+    same run dir) resumes and ends as if never stopped."""
+    run_dir = tmp_path / "run"
+    job_id = sbatch(run_dir, tmp_path, SLOWER)
+    wait_for(log_says("train_rank0.log", TRAINING_STARTED, run_dir), "training", alive=lambda: job_info(job_id)["JobState"] in ACTIVE)
+    subprocess.run(["scancel", "--batch", "--signal=USR1", job_id], check=True)
+    release_requeued(job_id)
+    info = ended(job_id)
+
+    output = (tmp_path / f"slurm-{job_id}.out").read_text()  # both runs (--open-mode=append)
+    assert (info["JobState"], info["ExitCode"], info["Restarts"]) == ("COMPLETED", "0:0", "1"), output[-6000:]
+    assert f"time limit near: requeueing job {job_id}" in output
+    rank0 = (run_dir / "train_rank0.log").read_text()
+    _, step = stop_line(rank0, "SIGTERM")
+    assert 0 < step < 16
+    assert f"resumed from {run_dir / 'checkpoints' / 'last.pt'} at epoch {step // 8}, batch {step % 8}, step {step}" in rank0
+    assert json.loads((run_dir / "results.json").read_text())["steps"] == 16
+    assert_same_weights(final_weights(run_dir), one_node)
+
+
+def test_a_cancelled_job_leaves_a_checkpoint_that_resume_auto_continues(one_node, tmp_path):
+    """scancel: SIGTERM to every rank, which saves; the job is over. Submitted again with the same run
+    dir, the script's resume=auto continues from that checkpoint and ends as if never stopped."""
+    run_dir = tmp_path / "run"
+    first = sbatch(run_dir, tmp_path, SLOWER)
+    wait_for(log_says("train_rank0.log", TRAINING_STARTED, run_dir), "training", alive=lambda: job_info(first)["JobState"] in ACTIVE)
+    subprocess.run(["scancel", first], check=True)
+    assert ended(first)["JobState"] == "CANCELLED"
+    _, step = stop_line((run_dir / "train_rank0.log").read_text(), "SIGTERM")
+    assert 0 < step < 16 and not (run_dir / "results.json").exists()
+
+    second = sbatch(run_dir, tmp_path, SLOWER)
+    info = ended(second)
+    assert (info["JobState"], info["ExitCode"]) == ("COMPLETED", "0:0"), (tmp_path / f"slurm-{second}.out").read_text()[-6000:]
+    rank0 = (run_dir / "train_rank0.log").read_text()
+    assert f"resumed from {run_dir / 'checkpoints' / 'last.pt'} at epoch {step // 8}, batch {step % 8}, step {step}" in rank0
+    assert json.loads((run_dir / "results.json").read_text())["steps"] == 16
+    assert_same_weights(final_weights(run_dir), one_node)
+
+
+# --- hydra/launcher=slurm ---------------------------------------------------------------------------
+
+# One SLURM task per rank, 2 on the node, one CPU each.
+SLURM_LAUNCHER = ["-m", "hydra/launcher=slurm", "hydra.launcher.gpus_per_node=0", "hydra.launcher.tasks_per_node=2",
+                  "hydra.launcher.cpus_per_task=1"]
+# Job 0 trains DDP_RUN; job 1 has a bad override.
+SWEEP = [arg for arg in DDP_RUN if not arg.startswith("data.batch_size=")] + ["data.batch_size=8,0"]
+BAD_BATCH = "error: data.batch_size=0: must be > 0 (it is per process), e.g. data.batch_size=32"
+
+
+def shared(name: str, produce, tmp_path_factory) -> tuple[Path, dict]:
+    """produce(dir) once for all test processes (pytest-xdist workers), in a dir they share: the
+    first to get here runs it, the others wait for it. Returns the dir and produce's result (JSON)."""
+    base = tmp_path_factory.getbasetemp()
+    if os.environ.get("PYTEST_XDIST_WORKER"):
+        base = base.parent  # the workers' common parent
+    cwd, result_file = base / name, base / f"{name}.json"
+    with open(base / f"{name}.lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        if not result_file.exists():
+            if cwd.exists():
+                pytest.fail(f"{name} failed in an earlier test: see its error")
+            cwd.mkdir()
+            result_file.write_text(json.dumps(produce(cwd)))
+    return cwd, json.loads(result_file.read_text())
+
+
+def run_sweep_with_a_requeue(cwd: Path) -> dict:
+    """The 2-job sweep; job 0 gets submitit's requeue signal (USR2) once training has started."""
+    sweep = subprocess.Popen([sys.executable, str(TRAIN), *SLURM_LAUNCHER, *SWEEP, *SLOWER], cwd=cwd, env=job_env(),
+                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    try:
+        wait_for(log_says("outputs/multirun/*/0_*/train_rank0.log", TRAINING_STARTED, cwd), "training in job 0",
+                 alive=lambda: sweep.poll() is None)
+        (job_0,) = [p.name for p in cwd.glob("outputs/multirun/*/.submitit/*_0")]  # <array job id>_<index>
+        subprocess.run(["scancel", "--signal=USR2", job_0], check=True)
+        requeued = release_requeued(job_0)
+        output, _ = sweep.communicate(timeout=300)
+    finally:
+        sweep.kill()
+    job_ids = sorted(p.name for p in cwd.glob("outputs/multirun/*/.submitit/*_*") if p.is_dir())
+    return {"returncode": sweep.returncode, "output": output, "job_ids": job_ids, "requeued": requeued,
+            "job_0": ended(job_0)}
+
+
+@pytest.fixture
+def slurm_sweep(tmp_path_factory) -> tuple[Path, dict]:
+    """The sweep dir, and what run_sweep_with_a_requeue saw."""
+    cwd, run = shared("slurm_sweep", run_sweep_with_a_requeue, tmp_path_factory)
+    (sweep_dir,) = (cwd / "outputs" / "multirun").iterdir()
+    return sweep_dir, run
+
+
+def summary(sweep_dir: Path) -> dict[str, str]:
+    """job number -> status, from the sweep's summary.csv."""
+    with open(sweep_dir / "summary.csv", newline="") as f:
+        return {row["job"]: row["status"] for row in csv.DictReader(f)}
+
+
+def test_a_slurm_sweep_runs_its_jobs_and_a_requeued_job_resumes_bit_identically(one_node, slurm_sweep):
+    """hydra/launcher=slurm submits the sweep as one job array (a job per sweep point, a task per
+    rank); submitit's USR2 makes every rank save, task 0 requeues the job, and it resumes in the same
+    job dir and ends as if never stopped."""
+    sweep_dir, run = slurm_sweep
+    array_id = run["job_ids"][0].split("_")[0]
+    assert run["job_ids"] == [f"{array_id}_0", f"{array_id}_1"], run["job_ids"]
+    assert run["requeued"]["Reason"] == "BeginTime"
+    assert (run["job_0"]["JobState"], run["job_0"]["ExitCode"], run["job_0"]["Restarts"]) == ("COMPLETED", "0:0", "1")
+
+    (job_dir,) = sweep_dir.glob("0_*")
+    rank0 = (job_dir / "train_rank0.log").read_text()
+    line, step = stop_line(rank0, "SIGUSR2")
+    assert "submitit requeues the job" in line and 0 < step < 16
+    assert f"resumed from {job_dir / 'checkpoints' / 'last.pt'} at epoch {step // 8}, batch {step % 8}, step {step}" in rank0
+    assert sorted(p.name for p in job_dir.glob("*.log")) == ["train_rank0.log", "train_rank1.log"]
+    results = json.loads((job_dir / "results.json").read_text())
+    assert results["steps"] == 16 and results["world_size"] == 2
+    assert_same_weights(final_weights(job_dir), one_node)
+    assert summary(sweep_dir)["0"] == "ok"
+
+
+def test_a_slurm_job_with_a_bad_override_fails_with_its_error_in_its_log(slurm_sweep):
+    """Job 1 (data.batch_size=0) fails before training, with one line in its log; the sweep ends with
+    an error once its jobs are done, and its summary marks the job failed."""
+    sweep_dir, run = slurm_sweep
+    assert run["returncode"] != 0, run["output"][-6000:]
+    assert "ConfigError: data.batch_size=0" in run["output"]
+    (job_1,) = [job for job in run["job_ids"] if job.endswith("_1")]
+    for task in (0, 1):
+        log = (sweep_dir / ".submitit" / job_1 / f"{job_1}_{task}_log.err").read_text()
+        assert BAD_BATCH in log.splitlines() and "Traceback" not in log, log
+    (job_dir,) = sweep_dir.glob("1_*")
+    assert not (job_dir / "checkpoints").exists() and not list(job_dir.glob("events.out.tfevents.*"))
+    assert summary(sweep_dir)["1"].startswith("failed")
