@@ -6,6 +6,8 @@ TORCHRUN := $(VENV)/bin/torchrun
 STAMP := $(VENV)/.installed-stamp
 # A few steps on synthetic data, for the smoke runs.
 SMOKE := data=synthetic data.num_samples=256 data.num_val_samples=64 data.batch_size=16 trainer.max_epochs=1 trainer.limit_train_batches=5 trainer.log_every_n_steps=1
+# The same for segmentation: small shapes images, 2 images per rank (where SyncBN matters).
+SMOKE_SEG := task=segmentation data=shapes model=small_segnet data.num_samples=32 data.num_val_samples=8 data.image_size=32 data.batch_size=2 trainer.max_epochs=1 trainer.limit_train_batches=5 trainer.log_every_n_steps=1
 
 # gloo re-initialises reliably after torchrun restarts only without torchrun's shared store (pytorch#135712).
 export TORCH_DISABLE_SHARE_RDZV_TCP_STORE := 1
@@ -29,11 +31,12 @@ train: install ## Train the default run (small_cnn on digits, one device); print
 test: install ## Run the whole test suite (CPU, gloo, real torchrun processes), two test processes at a time
 	$(PY) -m pytest -q -n 2
 
-smoke-test: install ## Four short CPU runs: single, dp, torchrun ddp with SyncBN, and the bf16/accumulation/cosine/EMA/MixUp recipe
+smoke-test: install ## Five short CPU runs: single, dp, torchrun ddp with SyncBN, the bf16/accumulation/cosine/EMA/MixUp recipe, and segmentation on 2 ranks with SyncBN
 	$(PY) train.py strategy=single $(SMOKE)
 	$(PY) train.py strategy=dp $(SMOKE)
 	$(TORCHRUN) --nproc_per_node=2 train.py strategy=ddp syncbn=true $(SMOKE)
 	$(TORCHRUN) --nproc_per_node=2 train.py strategy=ddp precision=bf16 trainer.accumulate_grad_batches=2 scheduler=cosine scheduler.warmup_steps=1 ema.decay=0.9 trainer.label_smoothing=0.1 data.mixup_alpha=0.2 $(SMOKE)
+	$(TORCHRUN) --nproc_per_node=2 train.py strategy=ddp syncbn=true $(SMOKE_SEG)
 
 gpu-check: ## The CUDA paths in one short run on one GPU; without one it says so (any Python with torch: PY=python3)
 	$(PY) tests/gpu/gpu_check.py

@@ -1,5 +1,4 @@
-"""Train a model on one device, with DataParallel, or with DDP under torchrun. What it learns, and how
-it is measured, is the task's (task=classification: an image classifier; tasks/).
+"""Train a model on one device, with DataParallel, or with DDP under torchrun; what it learns is the task's (tasks/).
 
     python train.py                                            # strategy=single
     python train.py strategy=dp                                # DataParallel over visible GPUs
@@ -47,6 +46,7 @@ from ddp.training_length import TrainingLength
 from ddp.update import UpdateStep, build_scheduler, check_schedule, scaled_lr
 from ddp.wrap import prepare_model, process_gpus, seed_dataparallel_replicas
 from models import build_model
+from tasks import build_task
 
 log = logging.getLogger("train")
 
@@ -71,7 +71,7 @@ def run(cfg: DictConfig, run_dir: Path, relaunch: str) -> dict:
     # data, task and model: identical on every rank (same seed)
     torch.manual_seed(cfg.seed)
     splits = build_datasets(cfg.data)
-    task = instantiate_checked(cfg.task, "task", num_classes=splits.num_classes, class_names=getattr(splits, "class_names", None))
+    task = build_task(cfg.task, splits.num_classes, splits.class_names)
     if cfg.mode == "eval":
         return evaluate_checkpoint(cfg, env, backend, device, splits, task, run_dir, build_model)
     length = TrainingLength.of(cfg.trainer, len(splits.train), cfg.data.batch_size, env.world_size)

@@ -1,19 +1,19 @@
 """Typed config schemas (registered in Hydra's ConfigStore) and the startup checks Hydra can't express.
 
-The options of a model or a dataset (any group in BUILDERS) have no schema here: the builder's own
-signature is their schema. `conf/model/my_net.yaml` names `_target_: models.my_net.build`, and
-`def build(num_classes: int, in_channels: int, width: int = 64)` declares the option `width` and its
-type. builder_options checks a group's keys against those parameters and its values against their
+The options of a model, a dataset or a task (the groups in BUILDERS) have no schema here: the
+builder's own signature is their schema. `conf/model/my_net.yaml` names `_target_: models.my_net.build`,
+and `def build(num_classes: int, in_channels: int, width: int = 64)` declares the option `width` and
+its type. builder_options checks a group's keys against those parameters and its values against their
 annotations (through OmegaConf, as a dataclass field), at startup, before anything runs or is
-written. So a new model or dataset is one module and one yaml, its options are declared once, where
-they are used, and a misspelt or mistyped one is a one-line ConfigError naming it. The group's own
-dataclass (ModelConfig, DataConfig) holds only the keys the run reads itself (weights_path; the
-loading keys); Hydra checks those when it composes, and leaves the group open to the builder's keys.
+written. So a new model, dataset or task is one module and one yaml, its options are declared once,
+where they are used, and a misspelt or mistyped one is a one-line ConfigError naming it. The group's
+own dataclass (ModelConfig, DataConfig, TaskConfig) holds only the keys the run reads itself
+(weights_path; the loading keys; the objective and its direction); Hydra checks those when it
+composes, and leaves the group open to the builder's keys.
 
 Why the signature, and not a dataclass next to the builder: the builder has to declare its
 parameters anyway, and a second declaration can drift from it (a field it ignores, a default that
-differs). Another group whose `_target_` brings options (a task, say) gets the same by an entry in
-BUILDERS and a call of builder_options where it is built.
+differs).
 """
 
 import dataclasses
@@ -35,34 +35,6 @@ from omegaconf.errors import ValidationError
 
 class ConfigError(ValueError):
     """A user-facing config mistake; printed as one line, no traceback."""
-
-
-@dataclass
-class TaskConfig:
-    """What the model is trained for (tasks/__init__.py): its loss, evaluation sums and metrics."""
-
-    _target_: str = MISSING  # called with num_classes= and class_names= taken from the data, and the keys below
-    objective: str = MISSING  # the results key main returns: what a sweep and Optuna optimise, e.g. val_accuracy
-    direction: str = "maximize"  # maximize | minimize: the objective's direction
-
-
-@dataclass
-class ClassificationTaskConfig(TaskConfig):
-    # Interpolated from where users set them (trainer.*, data.*), so those keys keep working.
-    label_smoothing: float = 0.0
-    mixup_alpha: float = 0.0
-    cutmix_alpha: float = 0.0
-
-
-@dataclass
-class SegmentationTaskConfig(TaskConfig):
-    aux_weight: float = 0.5  # the auxiliary head's loss counts at this weight, as in torchvision's reference
-    ignore_index: int = 255  # mask value of pixels that count for nothing; the data pads and marks borders with 255
-    # Read only to refuse them (a one-line error if not 0): a mixed or smoothed mask has no class per pixel.
-    label_smoothing: float = 0.0
-    mixup_alpha: float = 0.0
-    cutmix_alpha: float = 0.0
-    num_images_logged: int = 4  # fixed val samples in the TensorBoard image grid (input, target, prediction)
 
 
 @dataclass
@@ -99,11 +71,21 @@ class DataConfig:
     val_batch_size: int | None = None
 
 
+@dataclass
+class TaskConfig:
+    """The keys the run reads itself; every other task.* key is an option of `_target_` (builder_options)."""
+
+    _target_: str = MISSING  # called with num_classes= and class_names= taken from the data, and its options
+    objective: str = MISSING  # the results key main returns: what a sweep and Optuna optimise, e.g. val_accuracy
+    direction: str = "maximize"  # maximize | minimize: the objective's direction (Optuna's, via ${task.direction})
+
+
 # The groups whose `_target_` brings its own options: group -> (the schema of the keys the run reads
 # itself, the arguments the run passes the builder besides its options).
 BUILDERS = {
     "model": (ModelConfig, ("num_classes", "in_channels")),
     "data": (DataConfig, ()),
+    "task": (TaskConfig, ("num_classes", "class_names")),
 }
 
 
@@ -225,13 +207,12 @@ class TrainConfig:
     seed: int = 0
 
 
-# The schemas of the groups whose options are fixed here. A model's or dataset's own options have no
-# entry: their schema is their builder's signature (builder_options).
+# The schemas of the groups whose options are fixed here. A model's, dataset's or task's own options
+# have no entry: their schema is their builder's signature (builder_options).
 SCHEMAS = {
     "strategy": {"single": StrategyConfig, "dp": StrategyConfig, "ddp": StrategyConfig},
     "optim": {"sgd": SGDConfig, "adam": AdamConfig, "adamw": AdamConfig},
     "scheduler": {"none": SchedulerConfig, "cosine": CosineSchedulerConfig, "step": StepSchedulerConfig},
-    "task": {"classification": ClassificationTaskConfig, "segmentation": SegmentationTaskConfig},
 }
 
 

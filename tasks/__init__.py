@@ -1,14 +1,15 @@
 """Tasks: what a model is trained for. A task owns everything the loop must not name: the loss, the
 training-only batch transforms, the evaluation statistics, the metrics computed from them, the metric
 a sweep optimises and its direction, and its TensorBoard extras. Pick one with `task=<name>`
-(conf/task/<name>.yaml); the recipe builds it once per run as
+(conf/task/<name>.yaml); the recipe builds it once per run with build_task, as a model or a dataset:
+`_target_(num_classes=..., class_names=..., **options)`, the options being the yaml's other keys,
+checked against `_target_`'s own signature (ddp.config.builder_options). Two keys of the yaml are
+the run's, not the task's, and the task object doesn't see them:
 
-    task = instantiate_checked(cfg.task, "task", num_classes=splits.num_classes, class_names=splits.class_names)
+    task.objective    the results key `main` returns and a sweep optimises, e.g. val_accuracy
+    task.direction    maximize | minimize: the objective's direction (Optuna's, via ${task.direction})
 
 A task is any object with these members (duck-typed; tasks/classification.py is the reference):
-
-    objective: str    the results key `main` returns and a sweep optimises, e.g. "val_accuracy"
-    direction: str    "maximize" | "minimize": the objective's direction (Optuna's, via ${task.direction})
 
     train_batch(images, targets) -> (images, targets)
         Training-only batch transforms on the device, before the forward (MixUp/CutMix give soft
@@ -27,3 +28,10 @@ A task is any object with these members (duck-typed; tasks/classification.py is 
         TensorBoard extras after each validation. Called on every rank with the bare model in eval
         mode; the writer does nothing off rank 0, so work only where it is active, and run no collective.
 """
+
+from ddp.config import builder_options, instantiate_checked
+
+
+def build_task(task_cfg, num_classes: int, class_names: list[str] | None):
+    """Call task._target_ with the data's num_classes and class_names (None where it names none) and its options."""
+    return instantiate_checked(builder_options(task_cfg, "task"), "task", num_classes=num_classes, class_names=class_names)

@@ -12,10 +12,8 @@ from data.mix import build_batch_mix
 
 
 class ClassificationTask:
-    def __init__(self, num_classes: int | None = None, *, objective: str = "val_accuracy", direction: str = "maximize",
-                 label_smoothing: float = 0.0, mixup_alpha: float = 0.0, cutmix_alpha: float = 0.0,
-                 class_names: list[str] | None = None):
-        self.objective, self.direction = objective, direction
+    def __init__(self, num_classes: int | None = None, *, label_smoothing: float = 0.0, mixup_alpha: float = 0.0,
+                 cutmix_alpha: float = 0.0, class_names: list[str] | None = None):
         self.label_smoothing = label_smoothing
         self.class_names = class_names
         # (images, labels) -> (images, soft targets); None without mixing (num_classes is needed only with it)

@@ -114,16 +114,13 @@ class SegmentationTask:
     pixel accuracy, per-class IoU and mIoU. No batch transforms: MixUp, CutMix and label smoothing are
     refused, since a mixed or smoothed mask has no class id per pixel for the confusion matrix."""
 
-    def __init__(self, num_classes: int, class_names: list[str] | None = None, *, objective: str = "val_miou",
-                 direction: str = "maximize", aux_weight: float = 0.5, ignore_index: int = IGNORE_INDEX,
-                 label_smoothing: float = 0.0, mixup_alpha: float = 0.0, cutmix_alpha: float = 0.0,
+    def __init__(self, num_classes: int, class_names: list[str] | None = None, *, aux_weight: float = 0.5,
+                 ignore_index: int = IGNORE_INDEX, label_smoothing: float = 0.0, mixup_alpha: float = 0.0, cutmix_alpha: float = 0.0,
                  num_images_logged: int = 4):
         for key, value in (("trainer.label_smoothing", label_smoothing), ("data.mixup_alpha", mixup_alpha),
                            ("data.cutmix_alpha", cutmix_alpha)):
             if value != 0:
                 raise ConfigError(f"{key}={value}: task=segmentation trains on hard per-pixel labels; set {key}=0")
-        if direction not in ("maximize", "minimize"):
-            raise ConfigError(f"task.direction={direction}: use maximize or minimize")
         if ignore_index != IGNORE_INDEX:
             raise ConfigError(f"task.ignore_index={ignore_index}: the data marks pixels that count for nothing (borders, "
                               f"crop and batch padding) with {IGNORE_INDEX}; keep task.ignore_index={IGNORE_INDEX}")
@@ -134,7 +131,6 @@ class SegmentationTask:
         if class_names is not None and len(class_names) != num_classes:
             raise ConfigError(f"data: {len(class_names)} class names for {num_classes} classes")
         self.num_classes, self.class_names = num_classes, class_names
-        self.objective, self.direction = objective, direction
         self.aux_weight, self.ignore_index = aux_weight, ignore_index
         self.num_images_logged = num_images_logged
 

@@ -28,12 +28,14 @@ from models.small_cnn import SmallCNN
 from models.zoo import build_timm, build_torchvision
 from ddp.config import ConfigError, builder_options, optimizer_node, register_configs, validate
 from ddp.run_dir import register_resolvers
+from tasks.classification import ClassificationTask
+from tasks.segmentation import SegmentationTask
 
 register_configs()
 register_resolvers()
 
-# Every option of every group, with its schema: a dataclass its yaml starts from, or for a model or a
-# dataset the builder its yaml names, whose signature is the schema of its options.
+# Every option of every group, with its schema: a dataclass its yaml starts from, or for a model, a
+# dataset or a task the builder its yaml names, whose signature is the schema of its options.
 OPTIONS = {
     "strategy": {"single": schema.StrategyConfig, "dp": schema.StrategyConfig, "ddp": schema.StrategyConfig},
     "model": {"small_cnn": SmallCNN, "resnet18": build_resnet18, "torchvision": build_torchvision, "timm": build_timm,
@@ -48,7 +50,7 @@ OPTIONS = {
     },
     "optim": {"sgd": schema.SGDConfig, "adam": schema.AdamConfig, "adamw": schema.AdamConfig},
     "scheduler": {"none": schema.SchedulerConfig, "cosine": schema.CosineSchedulerConfig, "step": schema.StepSchedulerConfig},
-    "task": {"classification": schema.ClassificationTaskConfig, "segmentation": schema.SegmentationTaskConfig},
+    "task": {"classification": ClassificationTask, "segmentation": SegmentationTask},
 }
 ALL_OPTIONS = [(group, option) for group, options in OPTIONS.items() for option in options]
 
@@ -357,9 +359,13 @@ def test_schema_converts_typed_strings():
     ("+model.in_channels=3", "model.in_channels: the run passes in_channels to models.small_cnn.SmallCNN itself"),
     ("model._target_=models.small_cnn.SmallCN", "model._target_=models.small_cnn.SmallCN: can't be imported"),
     ("model._target_=models.zoo.check_name", "model._target_=models.zoo.check_name: must take num_classes, in_channels"),
+    ("task.smoothing=0.1", "task.smoothing: unknown key, not an option of tasks.classification.ClassificationTask (did "
+                           "you mean task.label_smoothing? options: label_smoothing, mixup_alpha, cutmix_alpha)"),
+    ("task.label_smoothing=some", "task.label_smoothing: Value 'some' of type 'str' could not be converted to Float"),
+    ("+task.class_names=[a]", "task.class_names: the run passes class_names to tasks.classification.ClassificationTask itself"),
 ])
 def test_builder_options_are_checked_against_its_signature_in_one_line(override, message):
-    """A model's or dataset's options compose (the group is open to them), then validation checks them
+    """A model's, dataset's or task's options compose (the group is open to them), then validation checks them
     against the builder's signature: an unknown key, a run argument or a mistyped value is one line."""
     cfg = compose_config(override)
     with pytest.raises(ConfigError) as error:

@@ -1,8 +1,10 @@
-"""The README's "Adding a model" and "Adding a dataset" examples, run as a user would: each file the
+"""The README's "Adding a model", "Adding a dataset" and "Adding a task" examples, run as a user would: each file the
 section shows is written where its first line says, in a copy of the repository; each `bash` block
 runs there, with `python` the interpreter running this suite; each `console` block's command must
 print exactly the line the README shows (on stderr) and exit 1, having trained nothing."""
 
+import importlib.util
+import inspect
 import json
 import os
 import re
@@ -14,8 +16,10 @@ from pathlib import Path
 import pytest
 import torch
 from omegaconf import OmegaConf
+from sklearn.metrics import accuracy_score, f1_score
 
 from conftest import REPO, run_dirs
+from models import build_model
 
 README = REPO / "README.md"
 CODE_BLOCK = re.compile(r"^```(\w+)\n(.*?)^```", re.MULTILINE | re.DOTALL)
@@ -138,4 +142,43 @@ def test_adding_a_dataset_runs_as_the_readme_shows(repo_copy):
     assert results["val_samples"] == len(val["labels"])
     conv = next(tensor for key, tensor in checkpoint["model"].items() if tensor.dim() == 4)
     assert conv.shape[1] == channels
+    assert check_console_blocks(section, repo_copy) >= 1
+
+
+
+def load_module(path: Path):
+    """A module of the example, by its file (the suite imports this checkout's packages, not the copy's)."""
+    spec = importlib.util.spec_from_file_location(path.stem, path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_adding_a_task_runs_as_the_readme_shows(repo_copy):
+    """The task trains, and its objective, the value main returns, is in results.json: equal to the
+    metric scikit-learn computes from the saved model's predictions on the whole val split (so the
+    task's eval sums add up exactly); the misspelt option is refused in one line."""
+    section = readme_section("Adding a task")
+    files = write_example(section, repo_copy)
+    assert {"tasks/multilabel.py", "conf/task/multilabel.yaml"} <= files.keys(), files.keys()
+    run_bash_blocks(section, repo_copy)
+
+    checkpoint, results = last_run(repo_copy)
+    config = OmegaConf.create(checkpoint["config"])
+    task_yaml = OmegaConf.create(files["conf/task/multilabel.yaml"])
+    assert config.task._target_ == task_yaml._target_ and results["steps"] >= 1
+    data_module = load_module(repo_copy / (config.data._target_.rsplit(".", 1)[0].replace(".", "/") + ".py"))
+    build_data = data_module.build
+    options = {key: config.data[key] for key in inspect.signature(build_data).parameters if key in config.data}
+    val = build_data(**options).val
+    images, truth = val.tensors
+    model = build_model(config.model, num_classes=truth.shape[1], in_channels=images.shape[1])
+    model.load_state_dict(checkpoint["model"])
+    with torch.no_grad():
+        predicted = (model.eval()(images).sigmoid() > task_yaml.threshold).int().numpy()
+    truth = truth.int().numpy()
+    assert results["val_samples"] == len(truth)
+    assert results[task_yaml.objective] == pytest.approx(f1_score(truth, predicted, average="macro", zero_division=0), abs=1e-12)
+    assert results["val_exact_match"] == pytest.approx(accuracy_score(truth, predicted), abs=1e-12)
+    assert results[task_yaml.objective] > 0.5  # it learned
     assert check_console_blocks(section, repo_copy) >= 1

@@ -21,11 +21,12 @@ from data.segmentation_transforms import IGNORE_INDEX, eval_transforms, pad_coll
 from data.shapes import build_shapes
 from data.voc import build_voc
 from conftest import REPO
-from ddp.config import ConfigError, instantiate_checked
+from ddp.config import ConfigError, validate
 from ddp.env import DistEnv
 from ddp.rank_zero import RankZeroWriter
 from models import build_model
 from models.segmentation import TORCHVISION_NAMES, build_segmentation_model, small_segnet
+from tasks import build_task
 from tasks.segmentation import PALETTE, SegmentationTask, confusion_sums, segmentation_loss, segmentation_metrics
 from workers.host_reads import HostReads
 
@@ -356,25 +357,30 @@ def test_small_segnet_learns_shapes_to_miou_above_half_in_seconds(one_thread):
 
 # --- the task object (task=segmentation) -------------------------------------------------------------
 
-def _task_from_yaml(num_classes: int, class_names=None, **settings):
-    """conf/task/segmentation.yaml composed with the rest of the config, and instantiated as the recipe
-    does; `settings`: label_smoothing, mixup_alpha or cutmix_alpha, set where users set them."""
+def _segmentation_config(**settings):
+    """The config with conf/task/segmentation.yaml; `settings`: label_smoothing, mixup_alpha or
+    cutmix_alpha, set where users set them."""
     from hydra import compose, initialize_config_dir
 
     from ddp.config import register_configs
 
     register_configs()
-    where = {"label_smoothing": "trainer", "mixup_alpha": "data", "cutmix_alpha": "data"}
+    where = {"label_smoothing": "trainer", "mixup_alpha": "data", "cutmix_alpha": "data", "direction": "task"}
     overrides = ["task=segmentation", "data=shapes", "model=small_segnet",
                  *(f"{where[key]}.{key}={value}" for key, value in settings.items())]
     with initialize_config_dir(config_dir=str(REPO / "conf"), version_base="1.3"):
-        cfg = compose("config", overrides=overrides)
-    return instantiate_checked(cfg.task, "task", num_classes=num_classes, class_names=class_names)
+        return compose("config", overrides=overrides)
+
+
+def _task_from_yaml(num_classes: int, class_names=None, **settings):
+    """conf/task/segmentation.yaml composed with the rest of the config, and built as the recipe does."""
+    return build_task(_segmentation_config(**settings).task, num_classes, class_names)
 
 
 def test_task_members_are_the_segmentation_loss_sums_and_metrics():
     task = _task_from_yaml(3, ["bg", "disc", "box"])
-    assert (task.objective, task.direction, task.num_images_logged) == ("val_miou", "maximize", 4)
+    cfg = _segmentation_config()  # the objective and its direction are the run's keys, not the task object's
+    assert (cfg.task.objective, cfg.task.direction, task.num_images_logged) == ("val_miou", "maximize", 4)
     generator = torch.Generator().manual_seed(0)
     images = torch.randn(2, 3, 4, 5, generator=generator)
     output = {"out": torch.randn(2, 3, 4, 5, generator=generator), "aux": torch.randn(2, 3, 4, 5, generator=generator)}
@@ -403,8 +409,8 @@ def test_batch_transforms_with_segmentation_are_one_line_errors_naming_the_key(k
 def test_task_settings_are_checked():
     with pytest.raises(ConfigError, match=r"^task.ignore_index=0: .*keep task.ignore_index=255$"):
         SegmentationTask(3, ignore_index=0)
-    with pytest.raises(ConfigError, match=r"^task.direction=up: use maximize or minimize$"):
-        SegmentationTask(3, direction="up")
+    with pytest.raises(ConfigError, match=r"^task.direction=up: unknown, use one of maximize, minimize$"):
+        validate(_segmentation_config(direction="up"), launched=False, world_size=1)
     with pytest.raises(ConfigError, match=r"^data: 2 class names for 3 classes$"):
         SegmentationTask(3, ["a", "b"])
 
