@@ -10,6 +10,7 @@ it is measured, is the task's (task=classification: an image classifier; tasks/)
 import contextlib
 import functools
 import logging
+import math
 import os
 import random
 import sys
@@ -26,6 +27,7 @@ from torch.distributed.elastic.multiprocessing.errors import record
 
 from data import build_datasets
 from data.vision import report_skipped_samples
+from ddp.best import BestTracker, check_metric_name, check_record_fits, check_validations, objective_key, ranked_metric
 from ddp.checkpointer import Checkpointer
 from ddp.config import check_model_accepts, instantiate_checked, optimizer_node, register_configs, validate
 from ddp.env import DistEnv, restrict_visible_gpus, select_device, use_deterministic_cudnn
@@ -76,8 +78,12 @@ def run(cfg: DictConfig, run_dir: Path, relaunch: str) -> dict:
         return evaluate_checkpoint(cfg, env, backend, device, splits, task, run_dir, build_model)
     length = TrainingLength.of(cfg.trainer, len(splits.train), cfg.data.batch_size, env.world_size)
     check_schedule(cfg.scheduler, length.total_updates, length.updates_per_epoch)
+    check_validations(keep_best=cfg.checkpoint.keep_best, patience=cfg.trainer.early_stop_patience,
+                      trainer_objective=cfg.trainer.objective, val_every_n_epochs=cfg.trainer.val_every_n_epochs,
+                      run_epochs=math.ceil(length.total_updates / length.updates_per_epoch))
     model = build_model(cfg.model, splits.num_classes, splits.in_channels)
     check_model_accepts(model, splits.val[0][0])
+    check_metric_name(cfg.task.objective, "task.objective", task, model, splits.val[0])
     # the real optimizer needs the wrapped model; build one on a dummy now to reject bad settings early
     instantiate_checked(optimizer_node(cfg.optim), "optim", params=[torch.zeros(1, requires_grad=True)])
     start_worker_server(splits.train, cfg.data.num_workers)  # for DataLoader workers, while the rank sets up (ddp/loaders.py)
@@ -89,6 +95,7 @@ def run(cfg: DictConfig, run_dir: Path, relaunch: str) -> dict:
     if resumed:
         load_model_state(model, resumed[1]["model"], resumed[0])
         check_update_state_fits(resumed[1], resumed[0], cfg)
+        check_record_fits(resumed[1], ranked_metric(cfg.task.objective, cfg.checkpoint.best_of), resumed[0])
 
     with process_group(backend, env, device, cfg.strategy.timeout_s) if distributed else contextlib.nullcontext():
         return fit(cfg, env, device, gpus, memory_reset, splits, task, length, model, resumed, run_dir, relaunch)
@@ -121,11 +128,20 @@ def fit(cfg: DictConfig, env: DistEnv, device: torch.device, gpus: list[int], me
              "val=%d samples", cfg.strategy.name, env.world_size, device, cfg.data.batch_size, length.accumulate,
              length.global_batch, lr, cfg.precision, len(splits.train), len(splits.val))
 
+    # the best validation so far; a resumed run keeps its record (and its patience count)
+    best = BestTracker(metric=ranked_metric(cfg.task.objective, cfg.checkpoint.best_of), direction=cfg.task.direction,
+                       keep_best=cfg.checkpoint.keep_best, patience=cfg.trainer.early_stop_patience,
+                       min_delta=cfg.trainer.early_stop_min_delta, max_epochs=cfg.trainer.max_epochs, device=device)
+    if resumed:
+        best.load_state_dict(resumed[1].get("best"))
     validator = Validator(model, raw_model, ema, val_loader, device, cfg.trainer.limit_val_batches, task,
                           strategy=cfg.strategy.name, syncbn=cfg.syncbn)
     checkpointer = Checkpointer(run_dir, cfg.checkpoint, env, update, raw_model, train_loader.generator, gpus,
                                 samples_per_batch=length.samples_per_batch, train_size=len(splits.train),
-                                config=OmegaConf.to_container(cfg, resolve=True), saved_step=position.global_step if resumed else -1)
+                                config=OmegaConf.to_container(cfg, resolve=True), saved_step=position.global_step if resumed else -1,
+                                best=best)
+    if resumed:
+        checkpointer.tidy_best()
     monitor = RunMonitor(cfg.trainer, cfg.fault, env, device, trained_module=trained, length=length, run_dir=run_dir,
                          start_step=position.global_step, resumed=bool(resumed), relaunch=relaunch, cuda_devices=gpus,
                          memory_reset=memory_reset)
@@ -133,21 +149,23 @@ def fit(cfg: DictConfig, env: DistEnv, device: torch.device, gpus: list[int], me
     recorder = SampleRecorder(cfg.fault.record_samples_dir, env.rank, cfg.data.batch_size) if cfg.fault.record_samples_dir else None
     with monitor:
         started = time.perf_counter()
-        metrics = train(cfg, env, update, train_loader, position, rank_state, length, monitor, checkpointer, validator, recorder)
+        metrics = train(cfg, env, update, train_loader, position, rank_state, length, monitor, checkpointer, validator, best,
+                        recorder)
         wall_s = time.perf_counter() - started
         checkpointer.save_if_unsaved(position)  # save and summarise (rank 0)
         log_hparams(monitor.writer, cfg, length, lr, env.world_size, metrics, position.global_step)
-    results = training_results(cfg, metrics, position, length, lr, env.world_size, len(splits.train), monitor.performance(wall_s),
+    results = training_results(cfg, metrics, best.results(), position, length, lr, env.world_size, len(splits.train), monitor.performance(wall_s),
                                replicas_identical(raw_model, include_buffers=True), report_skipped_samples(splits, device))
     write_results(results, run_dir, env)
     return results
 
 
 def train(cfg: DictConfig, env: DistEnv, update: UpdateStep, train_loader, position: Position, rank_state, length: TrainingLength,
-          monitor: RunMonitor, checkpointer: Checkpointer, validator: Validator, recorder: SampleRecorder | None) -> dict[str, float]:
+          monitor: RunMonitor, checkpointer: Checkpointer, validator: Validator, best: BestTracker,
+          recorder: SampleRecorder | None) -> dict[str, float]:
     """The loop: epochs of updates, each followed by the run's housekeeping; validation and saves. Returns the last metrics."""
     trainer, metrics = cfg.trainer, {}
-    while position.epoch < trainer.max_epochs and position.global_step < length.max_steps:
+    while position.epoch < trainer.max_epochs and position.global_step < length.max_steps and not best.stop:
         epoch_started = time.perf_counter()
         start_epoch(train_loader, position.epoch, cfg.seed, env.rank, position.epoch_start)
         # as many as the full epoch, but a resumed epoch that starts part-way may have one fewer
@@ -176,13 +194,15 @@ def train(cfg: DictConfig, env: DistEnv, update: UpdateStep, train_loader, posit
         if (position.epoch + 1) % trainer.val_every_n_epochs == 0 or last_epoch:
             metrics |= validator.validate()
             monitor.log_validation(metrics, position.global_step, position.epoch)
+            best.update(metrics, position.global_step, position.epoch)  # agreed by every rank: keep as best, stop early
+            monitor.log_best(best.metric, best.best["value"], position.global_step)
             validator.log_extras(monitor.writer, position.global_step)
         # A max_steps stop mid-epoch stays where it is (epoch, batch and partial sums), so a longer
         # run resumed from it continues the epoch exactly; validation doesn't touch the RNGs.
         if position.batch_in_epoch >= epoch_batches:
             position.epoch, position.batch_in_epoch, position.epoch_start = position.epoch + 1, 0, 0
             position.epoch_totals = torch.zeros_like(position.epoch_totals)
-        if checkpointer.due(position.global_step):
+        if checkpointer.due(position.global_step):  # periodic, or a best validation's (after it: a resume won't repeat it)
             checkpointer.save(position)
     monitor.close_progress()
     if "val_loss" not in metrics:  # resumed from a finished run: report its metrics again
@@ -226,7 +246,8 @@ register_resolvers()
 
 @hydra.main(version_base="1.3", config_path="conf", config_name="config")
 def main(cfg: DictConfig) -> float:
-    """Returns the task's objective (task.objective, of data.split in mode=eval): what a sweeper optimises."""
+    """Returns the task's objective (task.objective, of data.split in mode=eval; its best validation's with
+    trainer.objective=best): what a sweeper optimises."""
     hydra_cfg = HydraConfig.get()
     run_dir = Path(hydra_cfg.runtime.output_dir)
     env = DistEnv.from_environ()
@@ -242,8 +263,9 @@ def main(cfg: DictConfig) -> float:
         raise end_failed_job(error, hydra_cfg, cfg, env)  # or exits
     if env.is_main:
         log_results(results, run_dir, cfg.mode)
-    objective = cfg.task.objective
-    return results[objective.replace("val_", f"{cfg.data.split}_", 1) if cfg.mode == "eval" else objective]
+    if cfg.mode == "eval":
+        return results[cfg.task.objective.replace("val_", f"{cfg.data.split}_", 1)]
+    return results[objective_key(cfg.task.objective, cfg.trainer.objective, cfg.checkpoint.best_of)]
 
 
 if __name__ == "__main__":
