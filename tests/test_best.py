@@ -148,7 +148,7 @@ def test_resuming_a_stopped_run_trains_nothing_more_unless_the_patience_grew(ear
 def test_a_sweep_ranks_its_jobs_by_their_best_validation(tmp_path):
     """trainer.objective=best: the summary's objective column is best_val_loss, each job's results.json's,
     and the job with the lowest one is marked best."""
-    result = launch(["-m", *BEST, "trainer.max_epochs=3", "checkpoint.keep_best=1", "trainer.objective=best",
+    result = launch(["-m", *BEST, "trainer.max_epochs=2", "checkpoint.keep_best=1", "trainer.objective=best",
                      "optim.lr=0.5,0.05"], tmp_path)
     check(result)
     (summary,) = tmp_path.rglob("summary.csv")
