@@ -1,16 +1,13 @@
 """Train a model on one device, with DataParallel, or with DDP under torchrun; what it learns is the task's (tasks/).
 
-    python train.py                                            # strategy=single
-    python train.py strategy=dp                                # DataParallel over visible GPUs
+    python train.py                                            # strategy=single (or dp)
     torchrun --nproc_per_node=2 train.py strategy=ddp syncbn=true
-    python train.py mode=eval resume=<checkpoint or run dir>   # evaluate a checkpoint, train nothing
 """
 
 import contextlib
 import functools
 import logging
 import os
-import random
 import sys
 import time
 from collections.abc import Iterator
@@ -25,6 +22,7 @@ from torch.distributed.elastic.multiprocessing.errors import record
 
 from data import build_datasets
 from data.vision import report_skipped_samples
+from ddp.best import BestTracker, check_best_settings, objective_key
 from ddp.checkpointer import Checkpointer
 from ddp.config import check_model_accepts, instantiate_checked, optimizer_node, register_configs, validate
 from ddp.env import DistEnv, restrict_visible_gpus, select_device, use_deterministic_cudnn
@@ -39,12 +37,12 @@ from ddp.preemption import resume_command
 from ddp.process_group import all_reduce_sum, process_group, replicas_identical, resolve_backend
 from ddp.rank_zero import quiet_console_on_other_ranks
 from ddp.resume import Position, check_update_state_fits, find_resume_checkpoint, load_model_state, resume_training
-from ddp.results import log_hparams, log_results, training_results, write_results
+from ddp.results import log_hparams, log_results, log_setup, training_results, write_results
 from ddp.run_dir import register_resolvers
 from ddp.syncbn import warn_if_syncbn_without_ddp
 from ddp.training_length import TrainingLength
 from ddp.update import UpdateStep, build_scheduler, check_schedule, scaled_lr
-from ddp.wrap import prepare_model, process_gpus, seed_dataparallel_replicas
+from ddp.wrap import prepare_model, process_gpus, seed_this_rank
 from models import build_model
 from tasks import build_task
 
@@ -89,6 +87,8 @@ def run(cfg: DictConfig, run_dir: Path, relaunch: str) -> dict:
     if resumed:
         load_model_state(model, resumed[1]["model"], resumed[0])
         check_update_state_fits(resumed[1], resumed[0], cfg)
+    check_best_settings(cfg.checkpoint, cfg.trainer, cfg.task, run_epochs=length.epochs, task=task, model=model,
+                        val_sample=splits.val[0], resumed=resumed)
 
     with process_group(backend, env, device, cfg.strategy.timeout_s) if distributed else contextlib.nullcontext():
         return fit(cfg, env, device, gpus, memory_reset, splits, task, length, model, resumed, run_dir, relaunch)
@@ -109,23 +109,20 @@ def fit(cfg: DictConfig, env: DistEnv, device: torch.device, gpus: list[int], me
     update = UpdateStep(model, optimizer, task=task, device=device, precision=cfg.precision, scheduler=scheduler,
                         clip_norm=cfg.trainer.gradient_clip_norm, ema=ema, channels_last=cfg.channels_last)
 
-    torch.manual_seed(cfg.seed + env.rank)  # per-rank randomness (dropout) from here on
-    seed_dataparallel_replicas(model, cfg.seed + env.rank)
-    random.seed(cfg.seed + env.rank)
+    seed_this_rank(model, cfg.seed + env.rank)  # per-rank randomness (dropout) from here on
     position, rank_state = Position(), None
     if resumed:  # this run's LR and length apply
         position, rank_state = resume_training(resumed, update, lr, length.total_updates, cfg.data.batch_size,
                                                env.world_size, env.rank, len(splits.train))
     position.epoch_totals = position.epoch_totals.to(device)
-    log.info("strategy=%s world_size=%d device=%s batch_size=%d accumulate=%d global_batch=%d lr=%g precision=%s train=%d "
-             "val=%d samples", cfg.strategy.name, env.world_size, device, cfg.data.batch_size, length.accumulate,
-             length.global_batch, lr, cfg.precision, len(splits.train), len(splits.val))
-
+    log_setup(cfg, env.world_size, device, length, lr, len(splits.train), len(splits.val))
+    best = BestTracker.of(cfg.checkpoint, cfg.trainer, cfg.task, device, resumed[1] if resumed else None)  # a resume's record goes on
     validator = Validator(model, raw_model, ema, val_loader, device, cfg.trainer.limit_val_batches, task,
                           strategy=cfg.strategy.name, syncbn=cfg.syncbn)
     checkpointer = Checkpointer(run_dir, cfg.checkpoint, env, update, raw_model, train_loader.generator, gpus,
                                 samples_per_batch=length.samples_per_batch, train_size=len(splits.train),
-                                config=OmegaConf.to_container(cfg, resolve=True), saved_step=position.global_step if resumed else -1)
+                                config=OmegaConf.to_container(cfg, resolve=True), saved_step=position.global_step if resumed else -1,
+                                best=best)
     monitor = RunMonitor(cfg.trainer, cfg.fault, env, device, trained_module=trained, length=length, run_dir=run_dir,
                          start_step=position.global_step, resumed=bool(resumed), relaunch=relaunch, cuda_devices=gpus,
                          memory_reset=memory_reset)
@@ -133,21 +130,23 @@ def fit(cfg: DictConfig, env: DistEnv, device: torch.device, gpus: list[int], me
     recorder = SampleRecorder(cfg.fault.record_samples_dir, env.rank, cfg.data.batch_size) if cfg.fault.record_samples_dir else None
     with monitor:
         started = time.perf_counter()
-        metrics = train(cfg, env, update, train_loader, position, rank_state, length, monitor, checkpointer, validator, recorder)
+        metrics = train(cfg, env, update, train_loader, position, rank_state, length, monitor, checkpointer, validator, best, recorder)
         wall_s = time.perf_counter() - started
         checkpointer.save_if_unsaved(position)  # save and summarise (rank 0)
         log_hparams(monitor.writer, cfg, length, lr, env.world_size, metrics, position.global_step)
-    results = training_results(cfg, metrics, position, length, lr, env.world_size, len(splits.train), monitor.performance(wall_s),
-                               replicas_identical(raw_model, include_buffers=True), report_skipped_samples(splits, device))
+    results = training_results(cfg, metrics, best.results(), position, length, lr, env.world_size, len(splits.train),
+                               monitor.performance(wall_s), replicas_identical(raw_model, include_buffers=True),
+                               report_skipped_samples(splits, device))
     write_results(results, run_dir, env)
     return results
 
 
 def train(cfg: DictConfig, env: DistEnv, update: UpdateStep, train_loader, position: Position, rank_state, length: TrainingLength,
-          monitor: RunMonitor, checkpointer: Checkpointer, validator: Validator, recorder: SampleRecorder | None) -> dict[str, float]:
+          monitor: RunMonitor, checkpointer: Checkpointer, validator: Validator, best: BestTracker,
+          recorder: SampleRecorder | None) -> dict[str, float]:
     """The loop: epochs of updates, each followed by the run's housekeeping; validation and saves. Returns the last metrics."""
     trainer, metrics = cfg.trainer, {}
-    while position.epoch < trainer.max_epochs and position.global_step < length.max_steps:
+    while position.epoch < trainer.max_epochs and position.global_step < length.max_steps and not best.stop:
         epoch_started = time.perf_counter()
         start_epoch(train_loader, position.epoch, cfg.seed, env.rank, position.epoch_start)
         # as many as the full epoch, but a resumed epoch that starts part-way may have one fewer
@@ -176,13 +175,15 @@ def train(cfg: DictConfig, env: DistEnv, update: UpdateStep, train_loader, posit
         if (position.epoch + 1) % trainer.val_every_n_epochs == 0 or last_epoch:
             metrics |= validator.validate()
             monitor.log_validation(metrics, position.global_step, position.epoch)
+            best.update(metrics, position.global_step, position.epoch)  # agreed by every rank: keep as best, stop early
+            monitor.log_best(best.metric, best.best["value"], position.global_step)
             validator.log_extras(monitor.writer, position.global_step)
         # A max_steps stop mid-epoch stays where it is (epoch, batch and partial sums), so a longer
         # run resumed from it continues the epoch exactly; validation doesn't touch the RNGs.
         if position.batch_in_epoch >= epoch_batches:
             position.epoch, position.batch_in_epoch, position.epoch_start = position.epoch + 1, 0, 0
             position.epoch_totals = torch.zeros_like(position.epoch_totals)
-        if checkpointer.due(position.global_step):
+        if checkpointer.due(position.global_step):  # periodic, or a best validation's (after it: a resume won't repeat it)
             checkpointer.save(position)
     monitor.close_progress()
     if "val_loss" not in metrics:  # resumed from a finished run: report its metrics again
@@ -226,7 +227,7 @@ register_resolvers()
 
 @hydra.main(version_base="1.3", config_path="conf", config_name="config")
 def main(cfg: DictConfig) -> float:
-    """Returns the task's objective (task.objective, of data.split in mode=eval): what a sweeper optimises."""
+    """Returns the task's objective (`objective_key`: the final, the best, or data.split's): what a sweeper optimises."""
     hydra_cfg = HydraConfig.get()
     run_dir = Path(hydra_cfg.runtime.output_dir)
     env = DistEnv.from_environ()
@@ -242,8 +243,7 @@ def main(cfg: DictConfig) -> float:
         raise end_failed_job(error, hydra_cfg, cfg, env)  # or exits
     if env.is_main:
         log_results(results, run_dir, cfg.mode)
-    objective = cfg.task.objective
-    return results[objective.replace("val_", f"{cfg.data.split}_", 1) if cfg.mode == "eval" else objective]
+    return results[objective_key(cfg.task.objective, cfg.trainer.objective, cfg.checkpoint.best_of, cfg.mode, cfg.data.split)]
 
 
 if __name__ == "__main__":

@@ -13,6 +13,7 @@ import torch
 log = logging.getLogger(__name__)
 
 LAST = "last.pt"
+BEST = "best.pt"
 
 
 class CheckpointError(Exception):
@@ -53,17 +54,38 @@ def save_step_checkpoint(state: dict[str, Any], run_dir: Path, step: int, keep_l
     directory = checkpoint_dir(run_dir)
     path = directory / f"step-{step:08d}.pt"
     save_checkpoint(state, path)
-    tmp = directory / f".{LAST}.link.tmp"
+    _link(path, directory / LAST)
+    _fsync_dir(directory)
+    for old in sorted(directory.glob("step-*.pt"))[:-keep_last]:
+        old.unlink()
+    return path
+
+
+def keep_best_checkpoints(run_dir: Path, kept_steps: list[int], saved: tuple[int, Path] | None = None) -> None:
+    """Keep `saved` (the step and path of the checkpoint just saved) as `best-<step>.pt` if its step is
+    among `kept_steps` (best first), delete every other `best-*.pt`, and point `best.pt` at the best.
+    The best files are other names of step files (hard links): keep_last's pruning of step-*.pt leaves them."""
+    directory = checkpoint_dir(run_dir)
+    if saved is not None and saved[0] in kept_steps:
+        _link(saved[1], directory / f"best-{saved[0]:08d}.pt")
+    kept = {f"best-{kept:08d}.pt" for kept in kept_steps}
+    for old in directory.glob("best-*.pt"):
+        if old.name not in kept:
+            old.unlink()
+    if kept_steps and (directory / f"best-{kept_steps[0]:08d}.pt").is_file():
+        _link(directory / f"best-{kept_steps[0]:08d}.pt", directory / BEST)
+    _fsync_dir(directory)
+
+
+def _link(path: Path, name: Path) -> None:
+    """`name` becomes another name of `path`, atomically (a copy where hard links fail)."""
+    tmp = name.with_name(f".{name.name}.link.tmp")
     tmp.unlink(missing_ok=True)
     try:
         os.link(path, tmp)  # same bytes, no second write
     except OSError:
         shutil.copyfile(path, tmp)
-    os.replace(tmp, directory / LAST)
-    _fsync_dir(directory)
-    for old in sorted(directory.glob("step-*.pt"))[:-keep_last]:
-        old.unlink()
-    return path
+    os.replace(tmp, name)
 
 
 def _fsync_dir(directory: Path) -> None:

@@ -6,7 +6,8 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from ddp.checkpoint import save_step_checkpoint
+from ddp.best import BestTracker
+from ddp.checkpoint import keep_best_checkpoints, save_step_checkpoint
 from ddp.env import DistEnv
 from ddp.resume import Position, capture_rank_state, checkpoint_state, gather_rank_states, restore_rank_state
 
@@ -14,11 +15,13 @@ from ddp.resume import Position, capture_rank_state, checkpoint_state, gather_ra
 class Checkpointer:
     """Saves the run at an update boundary: every rank contributes its RNG and loader state, rank 0
     writes (atomically, ddp/checkpoint.py), and nobody runs ahead before the file exists. Never saves
-    non-finite weights. Remembers the step it saved last, so the end of the run saves only if needed."""
+    non-finite weights. Remembers the step it saved last, so the end of the run saves only if needed.
+    Every checkpoint holds `best`'s record; a save at a step whose validation entered the kept best
+    ones is kept as best-<step>.pt too (checkpoint.keep_best)."""
 
     def __init__(self, run_dir: Path, checkpoint_cfg, env: DistEnv, update, raw_model: nn.Module,
                  loader_generator: torch.Generator, cuda_devices: list[int], *, samples_per_batch: int, train_size: int,
-                 config: dict, saved_step: int):
+                 config: dict, saved_step: int, best: BestTracker):
         self.run_dir, self.env = run_dir, env
         self.every_n_steps, self.keep_last = checkpoint_cfg.every_n_steps, checkpoint_cfg.keep_last
         self.update, self.raw_model, self.optimizer = update, raw_model, update.optimizer
@@ -26,10 +29,18 @@ class Checkpointer:
         self.samples_per_batch, self.train_size = samples_per_batch, train_size
         self.config = config  # the run's resolved config, as plain containers
         self.saved_step = saved_step  # -1: nothing saved by this run or the one it resumes
+        self.best = best
+        if saved_step >= 0:  # resumed
+            self.tidy_best()
 
     def due(self, step: int) -> bool:
-        """A periodic save (checkpoint.every_n_steps; 0: only at the end)."""
-        return bool(self.every_n_steps) and step % self.every_n_steps == 0
+        """A periodic save (checkpoint.every_n_steps; 0: only at the end), or this step's validation is one to keep."""
+        return bool(self.every_n_steps) and step % self.every_n_steps == 0 or self.best.save_step == step
+
+    def tidy_best(self) -> None:
+        """A resumed run's best files as its record says (a resume from an older checkpoint leaves later ones behind)."""
+        if self.env.is_main and self.best.keep_best:
+            keep_best_checkpoints(self.run_dir, self.best.kept_steps())
 
     def save(self, position: Position) -> None:
         """A collective: every rank calls it at the same step."""
@@ -38,7 +49,10 @@ class Checkpointer:
         if self.env.is_main:
             state = checkpoint_state(self.raw_model, self.optimizer, self.update.state_dict(), position,
                                      self.samples_per_batch, self.train_size, rank_states, self.config)
-            save_step_checkpoint(state, self.run_dir, position.global_step, self.keep_last)
+            state["best"] = self.best.state_dict()
+            path = save_step_checkpoint(state, self.run_dir, position.global_step, self.keep_last)
+            if self.best.save_step == position.global_step:
+                keep_best_checkpoints(self.run_dir, self.best.kept_steps(), saved=(position.global_step, path))
         if dist.is_initialized():
             dist.barrier()  # nobody runs ahead (or exits) before the checkpoint exists
         self.saved_step = position.global_step

@@ -157,12 +157,19 @@ class TrainerConfig:
     limit_train_batches: int = -1  # -1: all; for smoke runs
     limit_val_batches: int = -1  # -1: all; a limit makes validation inexact
     warmup_steps: int = 3  # steps left out of the steady-state samples/s
+    objective: str = "final"  # final | best: what main returns and a sweep ranks, the last validation's or the best one's
+    # null: off; else stop after this many validations in a row without an improvement of the task's
+    # objective (checkpoint.best_of's) larger than early_stop_min_delta
+    early_stop_patience: int | None = None
+    early_stop_min_delta: float = 0.0
 
 
 @dataclass
 class CheckpointConfig:
     every_n_steps: int = 100  # rank 0 saves every n optimizer steps (0: only at the end)
     keep_last: int = 3  # step checkpoints kept; older ones are deleted
+    keep_best: int = 1  # the checkpoints of this many best validations kept as best-<step>.pt, the best as best.pt (0: off)
+    best_of: str = "model"  # model | ema: whose validation metric ranks them (ema needs ema.decay)
 
 
 @dataclass
@@ -352,6 +359,8 @@ LR_SCALINGS = ("none", "linear", "sqrt")
 MAX_LOG_EVERY_N_STEPS = 100
 BACKENDS = ("auto", "nccl", "gloo")
 DIRECTIONS = ("maximize", "minimize")
+OBJECTIVES = ("final", "best")
+BEST_OF = ("model", "ema")
 
 
 def _check(ok: bool, message: str) -> None:
@@ -412,6 +421,14 @@ def validate(cfg: Any, *, launched: bool, world_size: int) -> None:
     _check(trainer.warmup_steps >= 0, f"trainer.warmup_steps={trainer.warmup_steps}: must be >= 0")
     _check(cfg.checkpoint.every_n_steps >= 0, f"checkpoint.every_n_steps={cfg.checkpoint.every_n_steps}: must be >= 0 (0: only at the end)")
     _check(cfg.checkpoint.keep_last >= 1, f"checkpoint.keep_last={cfg.checkpoint.keep_last}: must be >= 1")
+    _check(cfg.checkpoint.keep_best >= 0, f"checkpoint.keep_best={cfg.checkpoint.keep_best}: must be >= 0 (0: off)")
+    _check(cfg.checkpoint.best_of in BEST_OF, f"checkpoint.best_of={cfg.checkpoint.best_of}: unknown, use one of {', '.join(BEST_OF)}")
+    _check(cfg.checkpoint.best_of != "ema" or cfg.ema.decay is not None,
+           "checkpoint.best_of=ema ranks by the EMA weights' metric, but there are none: set ema.decay (e.g. 0.999) or checkpoint.best_of=model")
+    _check(trainer.objective in OBJECTIVES, f"trainer.objective={trainer.objective}: unknown, use one of {', '.join(OBJECTIVES)}")
+    patience = trainer.early_stop_patience
+    _check(patience is None or patience >= 1, f"trainer.early_stop_patience={patience}: must be >= 1, or null for no early stopping")
+    _check(trainer.early_stop_min_delta >= 0, f"trainer.early_stop_min_delta={trainer.early_stop_min_delta}: must be >= 0")
     for key in ("kill_rank", "raise_rank", "stall_rank"):
         rank = cfg.fault[key]
         _check(rank < world_size, f"fault.{key}={rank}: there are only {world_size} ranks")

@@ -135,6 +135,10 @@ class RunMonitor:
         log.info("epoch %d step %d: %s", epoch, step,
                  " ".join(f"{key}={value:.4f}" for key, value in metrics.items() if key != "val_samples"))
 
+    def log_best(self, metric: str, value: float, step: int) -> None:
+        """The best so far of the metric that ranks validations, e.g. val/best_accuracy."""
+        self.writer.add_scalar(metric.replace("val_", "val/best_", 1), value, step)
+
     def close_progress(self) -> None:
         self.progress.close()
 

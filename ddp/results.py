@@ -12,12 +12,14 @@ from ddp.resume import Position
 log = logging.getLogger("train")  # the run's own console lines, under the script's name
 
 
-def training_results(cfg: DictConfig, metrics: dict[str, float], position: Position, length, lr: float, world_size: int,
+def training_results(cfg: DictConfig, metrics: dict[str, float], best_results: dict, position: Position, length, lr: float, world_size: int,
                      train_size: int, performance: dict, replicas_identical: bool, bad_samples_skipped: int | None) -> dict:
-    """results.json: the final metrics, how far the run got, its settings, and `performance` (RunMonitor's)."""
+    """results.json: the final metrics, the best validation's (BestTracker.results: best_step, best_<metric>,
+    stopped_early), how far the run got, its settings, and `performance` (RunMonitor's)."""
     epoch_samples = min(length.samples_per_batch * length.batches_per_epoch, train_size)
     return {
         **metrics,
+        **best_results,
         "steps": position.global_step,
         "epochs": position.epoch,  # completed
         "epoch_progress": position.epoch + position.samples_in_epoch(length.samples_per_batch, train_size) / epoch_samples,
@@ -32,6 +34,12 @@ def training_results(cfg: DictConfig, metrics: dict[str, float], position: Posit
         "replicas_identical": replicas_identical,
         "bad_samples_skipped": bad_samples_skipped,  # data.on_bad_sample=skip
     }
+
+
+def log_setup(cfg: DictConfig, world_size: int, device, length, lr: float, train_size: int, val_size: int) -> None:
+    log.info("strategy=%s world_size=%d device=%s batch_size=%d accumulate=%d global_batch=%d lr=%g precision=%s train=%d "
+             "val=%d samples", cfg.strategy.name, world_size, device, cfg.data.batch_size, length.accumulate,
+             length.global_batch, lr, cfg.precision, train_size, val_size)
 
 
 def write_results(results: dict, run_dir: Path, env: DistEnv) -> None:

@@ -13,11 +13,12 @@ from hydra.experimental.callback import Callback
 from hydra.types import RunMode
 from omegaconf import DictConfig, OmegaConf
 
+from ddp.best import objective_key
 from ddp.env import DistEnv
 from ddp.preemption import Interrupted
 
-# The task's objective (task.objective, e.g. val_accuracy or val_miou) comes after val_loss; the best
-# job is the one with the best objective in the task's direction, as Optuna picks.
+# The objective (task.objective, e.g. val_accuracy or val_miou; best_val_accuracy with trainer.objective=best)
+# comes after val_loss; the best job is the one with the best objective in the task's direction, as Optuna picks.
 COLUMNS = ["job", "overrides", "world_size", "batch_size", "global_batch_size", "val_loss"]
 LAST_COLUMNS = ["samples_per_s", "wall_s", "status", "best"]
 
@@ -41,7 +42,7 @@ class SweepSummary(Callback):
         job_dir = Path(config.hydra.runtime.output_dir)
         failure = None if job_return.status == JobStatus.COMPLETED else job_return._return_value
         _add_row(summary_row(config.hydra.job.num, job_return.overrides, config, job_dir, failure), Path(config.hydra.sweep.dir),
-                 config.task)
+                 config)
 
     def on_multirun_start(self, config: DictConfig, **kwargs: Any) -> None:
         if "submitit" in config.hydra.launcher._target_:
@@ -63,7 +64,7 @@ def summarise_job_dirs(sweep_dir: Path) -> None:
     for job_num, hydra_dir in jobs:  # job dirs are named <job number>_<swept values>
         overrides = list(OmegaConf.load(hydra_dir / "overrides.yaml"))
         job_cfg = OmegaConf.load(hydra_dir / "config.yaml")
-        _add_row(summary_row(job_num, overrides, job_cfg, hydra_dir.parent, failure=None), sweep_dir, job_cfg.task)
+        _add_row(summary_row(job_num, overrides, job_cfg, hydra_dir.parent, failure=None), sweep_dir, job_cfg)
     print_summary()
 
 
@@ -72,7 +73,7 @@ def record_failed_job(hydra_cfg: DictConfig, cfg: DictConfig, error: BaseExcepti
     which Hydra's job-end callbacks never see."""
     if hydra_cfg.mode == RunMode.MULTIRUN and DistEnv.from_environ().is_main:
         row = summary_row(hydra_cfg.job.num, hydra_cfg.overrides.task, cfg, Path(hydra_cfg.runtime.output_dir), error)
-        _add_row(row, Path(hydra_cfg.sweep.dir), cfg.task)
+        _add_row(row, Path(hydra_cfg.sweep.dir), cfg)
 
 
 def summary_row(job_num: int, overrides, cfg: DictConfig, job_dir: Path, failure: BaseException | None) -> dict[str, Any]:
@@ -92,7 +93,7 @@ def summary_row(job_num: int, overrides, cfg: DictConfig, job_dir: Path, failure
         row["status"] = "interrupted"
     elif failure is None and results_file.is_file():
         results = json.loads(results_file.read_text())
-        row |= {key: results.get(key) for key in ("world_size", "global_batch_size", "val_loss", cfg.task.objective, "samples_per_s", "wall_s")}
+        row |= {key: results.get(key) for key in ("world_size", "global_batch_size", "val_loss", _objective(cfg), "samples_per_s", "wall_s")}
         row["status"] = "ok"
     elif failure is None:
         row["status"] = "failed: no results.json (see the job's logs)"
@@ -102,12 +103,17 @@ def summary_row(job_num: int, overrides, cfg: DictConfig, job_dir: Path, failure
     return row
 
 
-def _add_row(row: dict[str, Any], sweep_dir: Path, task_cfg: DictConfig) -> None:
+def _objective(cfg: DictConfig) -> str:
+    """The results key a job's `main` returns (trainer.objective: the final objective, or its best)."""
+    return objective_key(cfg.task.objective, cfg.trainer.objective, cfg.checkpoint.best_of)
+
+
+def _add_row(row: dict[str, Any], sweep_dir: Path, cfg: DictConfig) -> None:
     if not _sweep_dir:
         _sweep_dir.append(sweep_dir)
         atexit.register(print_summary)
     _rows.append(row)
-    write_summary(_rows, sweep_dir, task_cfg.objective, task_cfg.direction)
+    write_summary(_rows, sweep_dir, _objective(cfg), cfg.task.direction)
 
 
 def print_summary() -> None:

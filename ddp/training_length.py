@@ -18,6 +18,11 @@ class TrainingLength:
     global_batch: int  # samples per update over all ranks
     samples_per_batch: int  # samples of one micro-batch over all ranks: batch_size x world_size
 
+    @property
+    def epochs(self) -> int:
+        """The epochs the run trains in: trainer.max_epochs, or fewer where trainer.max_steps ends it."""
+        return math.ceil(self.total_updates / self.updates_per_epoch)
+
     @classmethod
     def of(cls, trainer_cfg, train_size: int, batch_size: int, world_size: int) -> "TrainingLength":
         batches = math.ceil(math.ceil(train_size / world_size) / batch_size)  # DistributedSampler pads to equal shares

@@ -2,6 +2,7 @@
 saving and evaluation."""
 
 import logging
+import random
 
 import torch
 from torch import nn
@@ -63,9 +64,13 @@ def process_gpus(strategy: str, device: torch.device) -> list[int]:
     return [device.index]
 
 
-def seed_dataparallel_replicas(model: nn.Module, seed: int) -> None:
-    """torch.manual_seed gives every GPU the same seed, so DataParallel's replicas would draw the same
-    dropout masks for their chunks of the batch; give each replica's device its own stream."""
+def seed_this_rank(model: nn.Module, seed: int) -> None:
+    """Per-rank randomness (dropout, augmentation in the main process) from here on: torch's and
+    Python's RNGs get `seed`, the rank's own. torch.manual_seed gives every GPU the same seed, so
+    DataParallel's replicas would draw the same dropout masks for their chunks of the batch; give each
+    replica's device its own stream."""
+    torch.manual_seed(seed)
+    random.seed(seed)
     if isinstance(model, nn.DataParallel):
         for index in model.device_ids[1:]:
             with torch.cuda.device(index):

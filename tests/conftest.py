@@ -89,7 +89,8 @@ def run_dirs(cwd: Path) -> list[Path]:
 
 
 # 2 ranks x batch 8 with SyncBN; 128 samples, so both ranks see 8 equal batches per epoch: 16 steps.
-DDP_RUN = ["strategy=ddp", "syncbn=true", *TINY]
+# No best checkpoints: the checkpoints are the periodic and final ones (tests/test_best.py keeps the best).
+DDP_RUN = ["strategy=ddp", "syncbn=true", *TINY, "checkpoint.keep_best=0"]
 
 
 @pytest.fixture(scope="session")

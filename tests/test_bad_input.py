@@ -139,6 +139,24 @@ OUR_ERRORS = {
     "warmup_longer_than_the_run": (
         QUICK + ["scheduler=cosine", "scheduler.warmup_steps=5"], "scheduler.warmup_steps", "but the run has only 1", None,
     ),
+    "negative_keep_best": (QUICK + ["checkpoint.keep_best=-1"], "checkpoint.keep_best=-1", "must be >= 0 (0: off)", None),
+    "unknown_best_of": (QUICK + ["checkpoint.best_of=emma"], "checkpoint.best_of=emma", "unknown, use one of model, ema", None),
+    "best_of_ema_without_ema": (QUICK + ["checkpoint.best_of=ema"], "checkpoint.best_of=ema", "set ema.decay", None),
+    "unknown_trainer_objective": (QUICK + ["trainer.objective=last"], "trainer.objective=last", "unknown, use one of final, best", None),
+    "zero_early_stop_patience": (
+        QUICK + ["trainer.early_stop_patience=0"], "trainer.early_stop_patience=0", "must be >= 1, or null", None,
+    ),
+    "negative_early_stop_min_delta": (
+        QUICK + ["trainer.early_stop_min_delta=-0.1"], "trainer.early_stop_min_delta=-0.1", "must be >= 0", None,
+    ),
+    "misspelt_objective_metric": (
+        QUICK + ["task.objective=val_acuracy"], "task.objective=val_acuracy", ("not a validation metric", "did you mean val_accuracy?"),
+        None,
+    ),
+    "keep_best_without_a_validation_before_the_end": (
+        QUICK + ["trainer.max_epochs=2", "trainer.val_every_n_epochs=3"], "trainer.val_every_n_epochs=3",
+        ("larger than the run (2 epochs)", "checkpoint.keep_best=1 has nothing to compare"), None,
+    ),
     "ema_decay_above_one": (QUICK + ["ema.decay=1.5"], "ema.decay=1.5", "must be in (0, 1)", None),
     "negative_clip_norm": (QUICK + ["trainer.gradient_clip_norm=-1"], "trainer.gradient_clip_norm=-1", "must be > 0", None),
     "unknown_norm": (QUICK + ["model.norm=layer"], "model.norm=layer", "unknown, use one of batch, group, none", None),
@@ -249,7 +267,7 @@ def test_our_config_errors_name_the_key_before_anything_starts(tmp_path, monkeyp
 # One case of each kind of check: the schema walk, a data builder, the model's own constructor, and
 # the dry forward pass; all the way through the command line.
 CLI_CASES = ["zero_batch_size", "unknown_nested_key", "unknown_task_key", "imagefolder_without_splits", "model_rejects_a_value",
-             "image_the_model_cannot_take", "warmup_longer_than_the_run"]
+             "image_the_model_cannot_take", "warmup_longer_than_the_run", "misspelt_objective_metric"]
 
 
 @pytest.mark.parametrize("case", CLI_CASES)

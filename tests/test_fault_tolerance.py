@@ -321,7 +321,8 @@ def test_save_killed_midway_keeps_the_previous_checkpoint_and_the_next_save_clea
 
 def test_corrupt_last_checkpoint_falls_back_to_an_older_one(reference, tmp_path):
     pinned = "hydra.run.dir=outputs/run"
-    result = torchrun([*EXACT, pinned, "fault.kill_rank=1", "fault.at_step=12"], tmp_path, max_restarts=0)
+    # keep_best=0: the validation at step 8 would add a step-8 checkpoint (and best-8), another fallback
+    result = torchrun([*EXACT, pinned, "checkpoint.keep_best=0", "fault.kill_rank=1", "fault.at_step=12"], tmp_path, max_restarts=0)
     assert result.returncode != 0, output(result)
     directory = tmp_path / "outputs" / "run" / "checkpoints"
     assert sorted(p.name for p in directory.iterdir()) == ["last.pt", "step-00000005.pt", "step-00000010.pt"]
@@ -330,7 +331,7 @@ def test_corrupt_last_checkpoint_falls_back_to_an_older_one(reference, tmp_path)
     with open(last, "r+b") as f:  # truncating in place corrupts step-10 as well: step 5 is the fallback
         f.truncate(last.stat().st_size // 2)
 
-    result = torchrun([*EXACT, pinned, "resume=auto"], tmp_path)
+    result = torchrun([*EXACT, pinned, "checkpoint.keep_best=0", "resume=auto"], tmp_path)
     check(result)
     warnings = [line for line in result.stdout.splitlines() if "skipping checkpoint" in line]
     assert any(str(last) in line for line in warnings), output(result)

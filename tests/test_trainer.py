@@ -15,11 +15,11 @@ from models.resnet import build_resnet18
 
 # 4 epochs of 3 batches (limit_train_batches), validation on 2 batches of 8 after epochs 3 and 4,
 # a checkpoint every 2 steps of which 2 are kept, every step in the warm-up, and the LR scaled by
-# sqrt(global batch 8 / 32).
+# sqrt(global batch 8 / 32). No best checkpoints: the step files are keep_last's alone.
 KNOBS = ["strategy=single", "syncbn=true", *TINY, "trainer.max_epochs=4", "trainer.limit_train_batches=3",
          "trainer.limit_val_batches=2", "trainer.val_every_n_epochs=3", "trainer.log_every_n_steps=1",
          "trainer.warmup_steps=12", "checkpoint.every_n_steps=2", "checkpoint.keep_last=2", "optim.lr_scaling=sqrt",
-         "optim.reference_batch_size=32"]
+         "optim.reference_batch_size=32", "checkpoint.keep_best=0"]  # keep_best: tests/test_best.py
 
 
 def scalars(run_dir, tag: str) -> list:
