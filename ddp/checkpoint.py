@@ -66,6 +66,8 @@ def keep_best_checkpoints(run_dir: Path, kept_steps: list[int], saved: tuple[int
     among `kept_steps` (best first), delete every other `best-*.pt`, and point `best.pt` at the best.
     The best files are other names of step files (hard links): keep_last's pruning of step-*.pt leaves them."""
     directory = checkpoint_dir(run_dir)
+    if not directory.is_dir():  # a run resumed from another dir's checkpoint file has saved nothing here yet
+        return
     if saved is not None and saved[0] in kept_steps:
         _link(saved[1], directory / f"best-{saved[0]:08d}.pt")
     kept = {f"best-{kept:08d}.pt" for kept in kept_steps}
