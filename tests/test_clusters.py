@@ -47,6 +47,16 @@ def environ(monkeypatch):
     return set_to
 
 
+def test_every_package_of_the_repo_imports_from_the_install_alone(tmp_path):
+    """A submitit job unpickles its function and config in a fresh interpreter, in the job's dir: every
+    package of the repo must come from the install (`make install`), not from the repo's cwd or a PYTHONPATH."""
+    packages = sorted(path.parent.name for path in REPO.glob("*/__init__.py") if path.parent.name != "tests")
+    env = {name: value for name, value in os.environ.items() if name != "PYTHONPATH"}
+    result = subprocess.run([sys.executable, "-c", f"import {', '.join(packages)}"], cwd=tmp_path, env=env,
+                            capture_output=True, text=True, timeout=120)
+    assert result.returncode == 0, f"{packages}: {result.stderr[-2000:]}"
+
+
 def test_a_plain_process_is_rank_0_of_1(environ):
     environ({})
     assert DistEnv.from_environ() == DistEnv()
