@@ -12,8 +12,8 @@ from torch import nn
 
 from ddp.checkpoint import CheckpointError, load_checkpoint, load_latest_checkpoint
 from ddp.config import ConfigError
-from ddp.loaders import resume_point
-from ddp.update import resume_schedule
+from ddp.optimizer import resume_schedule
+from ddp.samplers import resume_point
 
 log = logging.getLogger(__name__)
 
@@ -23,7 +23,7 @@ class Position:
     """Where training stands; a checkpoint stores it, and a resumed run continues from it.
 
     Within an epoch the checkpoint holds the global samples trained: the epoch's shuffled order is
-    the same at any world size (ddp/loaders.py), so a resume at another world size continues it
+    the same at any world size (ddp/samplers.py), so a resume at another world size continues it
     exactly. The loop counts batches of its loader, which began the epoch at sample `epoch_start`.
     """
 

@@ -8,9 +8,9 @@ import torch
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 
+from ddp.ema import EMA, build_ema
 from ddp.env import DistEnv
 from ddp.syncbn import convert_syncbn
-from ddp.update import EMA, build_ema
 
 log = logging.getLogger(__name__)
 
