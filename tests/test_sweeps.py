@@ -12,7 +12,8 @@ from tensorboard.backend.event_processing.event_accumulator import EventAccumula
 from tensorboard.backend.event_processing.event_multiplexer import EventMultiplexer
 from tensorboard.plugins.hparams import plugin_data_pb2
 
-from conftest import check, job_dir, job_numbers, launch, run_dirs
+from conftest import check, job_numbers, launch, run_dirs
+from conftest import job_dir as job_dir_in
 
 # One epoch of a narrow small_cnn on 128 tiny synthetic images: each job costs process start-up only.
 SMALL = [
@@ -44,7 +45,7 @@ def the_sweep_dir(cwd: Path) -> Path:
 
 
 def job_dirs(sweep_dir: Path) -> list[Path]:
-    return [job_dir(sweep_dir, job) for job in job_numbers(sweep_dir)]
+    return [job_dir_in(sweep_dir, job) for job in job_numbers(sweep_dir)]
 
 
 def summary_rows(sweep_dir: Path) -> list[dict]:
