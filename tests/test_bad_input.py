@@ -265,9 +265,9 @@ def test_our_config_errors_name_the_key_before_anything_starts(tmp_path, monkeyp
 
 
 # One case of each kind of check: the schema walk, a data builder, the model's own constructor, and
-# the dry forward pass; all the way through the command line.
-CLI_CASES = ["zero_batch_size", "unknown_nested_key", "unknown_task_key", "imagefolder_without_splits", "model_rejects_a_value",
-             "image_the_model_cannot_take", "warmup_longer_than_the_run", "misspelt_objective_metric"]
+# the dry forward pass; all the way through the command line. (Every case runs in process above; a
+# launch costs seconds of start-up.)
+CLI_CASES = ["zero_batch_size", "imagefolder_without_splits", "model_rejects_a_value", "image_the_model_cannot_take"]
 
 
 @pytest.mark.parametrize("case", CLI_CASES)
@@ -285,14 +285,10 @@ def test_our_config_errors_are_one_line_and_exit_1_on_the_command_line(tmp_path,
     assert_nothing_trained(tmp_path, result)
 
 
+# One case of each kind of Hydra error: an unknown option of a group, a mistyped value, an undeclared key.
 HYDRA_ERRORS = {
-    "unknown_strategy": (["strategy=nope"], "Could not find 'strategy/nope'"),
     "unknown_model": (["model=nope"], "Could not find 'model/nope'"),
-    "unknown_data": (["data=nope"], "Could not find 'data/nope'"),
-    "unknown_task": (["task=nope"], "Could not find 'task/nope'"),
     "batch_size_not_an_int": (QUICK + ["data.batch_size=abc"], "data.batch_size"),
-    "max_epochs_not_an_int": (QUICK + ["trainer.max_epochs=abc"], "trainer.max_epochs"),
-    "syncbn_not_a_bool": (QUICK + ["syncbn=maybe"], "syncbn"),
     "override_of_undeclared_key": (QUICK + ["trainer.typo=1"], "trainer.typo"),
 }
 

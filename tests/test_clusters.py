@@ -1,6 +1,6 @@
 """Beyond one machine: the launch environments a rank recognises (torchrun, SLURM through submitit,
-a plain process), two torchrun "nodes" on localhost, and DDP jobs that hydra-submitit-launcher runs,
-requeues and resumes. SLURM itself isn't here: its local executor runs the same code path."""
+a plain process), two torchrun "nodes" on localhost, and a requeue by hydra-submitit-launcher's local
+executor during a long validation. Jobs on a real SLURM are in test_slurm.py."""
 
 import json
 import os
@@ -15,7 +15,7 @@ import pytest
 from hydra import compose, initialize_config_dir
 from hydra.utils import instantiate
 
-from conftest import DDP_RUN, REPO, TORCHRUN, TRAIN, assert_same_weights, check, final_weights, free_port, launch, run_dirs
+from conftest import DDP_RUN, REPO, TORCHRUN, TRAIN, assert_same_weights, check, final_weights, free_port, run_dirs
 from ddp.config import register_configs
 from ddp.env import DistEnv
 from ddp.run_dir import register_resolvers
@@ -180,21 +180,6 @@ def the_job_dir(cwd: Path) -> Path:
     return job_dir
 
 
-def test_a_submitit_job_with_two_tasks_is_one_ddp_run(one_node, tmp_path):
-    result = launch([*SUBMITIT_LOCAL, *DDP_RUN], tmp_path, env=launch_env())
-    check(result)
-    job_dir = the_job_dir(tmp_path)
-    # one task (rank 0) writes .hydra/, events and results; each task its own log
-    assert [p.relative_to(tmp_path) for p in tmp_path.rglob(".hydra")] == [(job_dir / ".hydra").relative_to(tmp_path)]
-    assert sorted(p.name for p in job_dir.glob("*.log")) == ["train_rank0.log", "train_rank1.log"]
-    assert len(list(job_dir.glob("events.out.tfevents.*"))) == 1
-    assert_same_weights(final_weights(job_dir), one_node)
-    results = json.loads((job_dir / "results.json").read_text())
-    assert results["world_size"] == 2 and results["replicas_identical"]
-    (row,) = [line for line in result.stdout.splitlines() if line.startswith("| 0 |")]  # the sweep summary's
-    assert row.startswith("| 0 | strategy=ddp ") and "| 2 | 8 | 16 |" in row and "| ok |" in row, row  # world size, batch, global batch
-
-
 def _tasks_of(session: int) -> list[int]:
     """The submitit tasks (one per rank) among the processes of a session."""
     pids = []
@@ -224,28 +209,6 @@ def _requeued_by_usr2(args: list[str], ready, cwd: Path):
     output, _ = sweep.communicate(timeout=240)
     assert sweep.returncode == 0, output[-6000:]
     return found
-
-
-def test_a_requeued_submitit_job_saves_on_the_signal_and_resumes_bit_identically(one_node, tmp_path):
-    """SLURM sends USR2 to every task before the time limit (and on preemption): the run saves at the
-    next step boundary, submitit requeues the job with the same overrides into the same dir, and it
-    finishes as if never stopped."""
-    # Checkpoints every 4 steps, and rank 1 takes 100 ms longer per step: 1.6 s of training in all,
-    # time enough to signal it after the first checkpoint. Neither changes what is computed.
-    slower = ["checkpoint.every_n_steps=4", "fault.slow_rank=1", "fault.slow_ms=100"]
-    saved = _requeued_by_usr2(slower, lambda: list(tmp_path.glob("outputs/multirun/*/0_*/checkpoints/step-*.pt")),
-                              tmp_path)  # training, and saving
-    saved_step = int(saved[0].stem.split("-")[1])
-
-    job_dir = the_job_dir(tmp_path)
-    rank0 = (job_dir / "train_rank0.log").read_text()
-    (stop,) = [line for line in rank0.splitlines() if "stopped by SIGUSR2 at step" in line]
-    step = int(stop.split("at step ")[1].split()[0])
-    assert saved_step < step < 16 and step % 2 == 0, stop  # the next check step (log_every_n_steps=2)
-    assert "submitit requeues the job" in stop
-    assert f"resumed from {job_dir / 'checkpoints' / 'last.pt'} at epoch {step // 8}, batch {step % 8}, step {step}" in rank0
-    assert json.loads((job_dir / "results.json").read_text())["steps"] == 16
-    assert_same_weights(final_weights(job_dir), one_node)
 
 
 def test_a_requeue_signal_during_a_long_validation_still_requeues_the_job(one_node, tmp_path):

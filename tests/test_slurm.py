@@ -235,9 +235,13 @@ def test_a_slurm_sweep_runs_its_jobs_and_a_requeued_job_resumes_bit_identically(
     line, step = stop_line(rank0, "SIGUSR2")
     assert "submitit requeues the job" in line and 0 < step < 16
     assert f"resumed from {job_dir / 'checkpoints' / 'last.pt'} at epoch {step // 8}, batch {step % 8}, step {step}" in rank0
+    # one task (rank 0) writes .hydra/, events (one file per attempt) and results; each task its own log
+    hydra_dirs = {p.parent for p in sweep_dir.parents[2].rglob(".hydra")}  # under the sweep's working dir
+    assert job_dir in hydra_dirs and all(d.parent == sweep_dir for d in hydra_dirs), hydra_dirs
+    assert len(list(job_dir.glob("events.out.tfevents.*"))) == 2
     assert sorted(p.name for p in job_dir.glob("*.log")) == ["train_rank0.log", "train_rank1.log"]
     results = json.loads((job_dir / "results.json").read_text())
-    assert results["steps"] == 16 and results["world_size"] == 2
+    assert results["steps"] == 16 and results["world_size"] == 2 and results["replicas_identical"]
     assert_same_weights(final_weights(job_dir), one_node)
     assert summary(sweep_dir)["0"] == "ok"
 
