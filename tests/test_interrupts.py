@@ -38,13 +38,14 @@ def start(command: list[str], cwd) -> subprocess.Popen:
 
 
 def wait_for_training(process: subprocess.Popen, cwd) -> None:
-    """Until rank 0 has logged its first line of fit(), and a second more: inside the training loop."""
-    deadline = time.monotonic() + 120
-    while not any("global_batch=" in log.read_text() for log in cwd.glob("outputs/**/train_rank0.log")):
+    """Until the run has saved its first periodic checkpoint: inside the training loop, steps coming.
+    (A stop before the first step, on a loaded machine, may find no step within trainer.stop_deadline_s:
+    tests/test_fault_tolerance.py and the worker-start test above cover the early stop.)"""
+    deadline = time.monotonic() + 180
+    while not list(cwd.glob("outputs/**/checkpoints/last.pt")):
         assert process.poll() is None, (cwd / "stderr.txt").read_text()[-3000:]
-        assert time.monotonic() < deadline, "training never started"
+        assert time.monotonic() < deadline, "no periodic checkpoint: training never started"
         time.sleep(0.1)
-    time.sleep(1)
 
 
 def ctrl_c(process: subprocess.Popen) -> None:
@@ -122,11 +123,7 @@ def test_a_second_ctrl_c_exits_at_once_and_the_saved_checkpoint_still_loads(tmp_
         cwd = tmp_path / str(attempt)
         cwd.mkdir()
         process = start([*LAUNCHERS["python"], *LONG, "fault.slow_rank=0", "fault.slow_ms=200"], cwd)
-        wait_for_training(process, cwd)
-        deadline = time.monotonic() + 60
-        while not list(cwd.glob("outputs/*/checkpoints/last.pt")):  # a periodic checkpoint to keep intact
-            assert process.poll() is None and time.monotonic() < deadline, "no checkpoint was saved"
-            time.sleep(0.1)
+        wait_for_training(process, cwd)  # and a periodic checkpoint to keep intact
         started = time.monotonic()
         ctrl_c(process)
         while pending_signals(process.pid) & (1 << (signal.SIGINT - 1)):
