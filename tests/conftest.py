@@ -6,6 +6,7 @@ import os
 os.environ["CUDA_VISIBLE_DEVICES"] = ""
 
 import json  # noqa: E402
+import random  # noqa: E402
 import signal  # noqa: E402
 import socket  # noqa: E402
 import subprocess  # noqa: E402
@@ -77,6 +78,20 @@ def free_port() -> int:
     with socket.socket() as probe:
         probe.bind(("127.0.0.1", 0))
         return probe.getsockname()[1]
+
+
+def free_port_outside_the_ephemeral_range() -> int:
+    """A free TCP port below Linux's ephemeral range (32768 and up), for a server that starts later than
+    processes which listen on ephemeral ports meanwhile (srun does): one of them could take a port
+    free_port() returned, and the rendezvous would connect to it."""
+    for port in random.sample(range(20000, 32768), 200):
+        with socket.socket() as probe:
+            try:
+                probe.bind(("127.0.0.1", port))
+            except OSError:
+                continue
+            return port
+    raise RuntimeError("no free port in 20000-32767")
 
 
 def check(result) -> None:

@@ -19,7 +19,7 @@ from pathlib import Path
 
 import pytest
 
-from conftest import DDP_RUN, REPO, TRAIN, assert_same_weights, final_weights, free_port
+from conftest import DDP_RUN, REPO, TRAIN, assert_same_weights, final_weights, free_port_outside_the_ephemeral_range
 
 LOCAL_CLUSTER = REPO / "scripts" / "slurm" / "local-cluster.sh"
 SBATCH_SCRIPT = REPO / "scripts" / "slurm" / "ddp.sbatch"
@@ -104,7 +104,7 @@ def sbatch(run_dir: Path, log_dir: Path, overrides: list[str]) -> str:
     submitted = subprocess.run(
         ["sbatch", "--parsable", "--nodes=1", "--gpus-per-node=0", "--cpus-per-task=1", f"--output={log_dir}/slurm-%j.out",
          str(SBATCH_SCRIPT), *DDP_RUN[1:], *overrides],  # the script sets strategy=ddp
-        cwd=REPO, env=job_env(NPROC_PER_NODE="2", RUN_DIR=str(run_dir), RDZV_PORT=str(free_port())),
+        cwd=REPO, env=job_env(NPROC_PER_NODE="2", RUN_DIR=str(run_dir), RDZV_PORT=str(free_port_outside_the_ephemeral_range())),
         capture_output=True, text=True, check=True)
     return submitted.stdout.strip()
 
