@@ -62,11 +62,15 @@ def evaluate(checkpoint: Path, cwd: Path) -> dict:
     return evaluation
 
 
+def trained(args: list[str], cwd: Path) -> Path:
+    """The run dir of train.py with `args`, run to its end in cwd."""
+    check(launch(args, cwd))
+    return the_run_dir(cwd)
+
+
 @pytest.fixture(scope="module")
 def best_run(tmp_path_factory) -> Path:
-    cwd = tmp_path_factory.mktemp("best")
-    check(launch(BEST, cwd))
-    return the_run_dir(cwd)
+    return trained(BEST, tmp_path_factory.mktemp("best"))
 
 
 def test_best_pt_holds_the_best_validation_and_evaluates_to_it_exactly(best_run, tmp_path):
@@ -122,9 +126,7 @@ def test_kill_and_resume_between_improvements_ends_as_the_uninterrupted_run(best
 
 @pytest.fixture(scope="module")
 def ema_run(tmp_path_factory) -> Path:
-    cwd = tmp_path_factory.mktemp("ema")
-    check(launch(EMA, cwd))
-    return the_run_dir(cwd)
+    return trained(EMA, tmp_path_factory.mktemp("ema"))
 
 
 def test_best_of_ema_keeps_the_ema_weights_best_validation(ema_run, tmp_path):

@@ -3,8 +3,9 @@ scripts/slurm/ddp.sbatch and hydra/launcher=slurm for real. Jobs are submitted w
 with scancel, requeued by SLURM and resumed, or cancelled. Every training job runs conftest's DDP_RUN
 and must end with the weights of torchrun 1 x 2 (one_node).
 
-Without SLURM's packages, or without root to start the cluster, the module skips; with the packages
-and root, a cluster that doesn't start is an error."""
+Without SLURM's packages, or without root to start the cluster, the module skips, unless
+HYDRA_DDP_REQUIRE_SLURM=1 (as CI sets it) makes that a failure; with the packages and root, a cluster
+that doesn't start is an error."""
 
 import csv
 import fcntl
@@ -34,17 +35,25 @@ SLOWER = ["fault.slow_rank=1", "fault.slow_ms=200"]
 TRAINING_STARTED = "strategy=ddp world_size=2"  # rank 0's last line before the loop
 
 
+def cannot_run(reason: str) -> None:
+    """Skip where no cluster can run (a laptop without root); fail where it must (CI sets
+    HYDRA_DDP_REQUIRE_SLURM=1), so that a cluster that went missing never passes as a skip."""
+    if os.environ.get("HYDRA_DDP_REQUIRE_SLURM") == "1":
+        pytest.fail(f"HYDRA_DDP_REQUIRE_SLURM=1, but {reason}")
+    pytest.skip(reason)
+
+
 @pytest.fixture(scope="session", autouse=True)  # session: before the session's reference run
 def cluster() -> None:
     """The one-node cluster, started if it isn't running."""
     script = LOCAL_CLUSTER.relative_to(REPO)
     missing = [name for name in SLURM_COMMANDS if shutil.which(name, path=SEARCH_PATH) is None]
     if missing:
-        pytest.skip(f"SLURM isn't installed ({' '.join(missing)} missing): sudo {script} install && sudo {script} start")
+        cannot_run(f"SLURM isn't installed ({' '.join(missing)} missing): sudo {script} install && sudo {script} start")
     if subprocess.run([LOCAL_CLUSTER, "status"], capture_output=True).returncode == 0:
         return
     if os.geteuid() != 0:
-        pytest.skip(f"the one-node SLURM isn't running, and starting it needs root: sudo {script} start")
+        cannot_run(f"the one-node SLURM isn't running, and starting it needs root: sudo {script} start")
     started = subprocess.run([LOCAL_CLUSTER, "start"], capture_output=True, text=True, timeout=120)
     assert started.returncode == 0, f"SLURM is installed but {script} start failed:\n{started.stdout}{started.stderr}"
 
