@@ -218,3 +218,40 @@ def hparams_table(logdir: Path) -> dict[str, dict]:
     response = list_session_groups.Handler(context.RequestContext(), backend, "", request).run()
     return {group.name: {name: json_format.MessageToDict(value) for name, value in group.hparams.items()}
             for group in response.session_groups}
+
+
+# --- Exact-resume references, shared by tests/test_fault_tolerance.py and tests/test_interrupts.py ---
+# Each is one uninterrupted run; every resumed run of the same training (whatever stopped it) must end
+# bit-identical to it. fault.*, checkpoint.*, logging and trainer.max_epochs beyond the last step don't
+# change the training (no LR schedule here), so runs that differ only there compare to the same reference.
+
+# Randomness everywhere a resume could get it wrong: dropout (global RNG, per rank), random
+# augmentation in 2 DataLoader workers, and a shuffled sampler.
+EXACT_DATA = [*TINY, "model.dropout=0.3", "data.augment=true", "data.num_workers=2"]
+# 2 ranks x 8 batches x 2 epochs = 16 steps.
+EXACT_DDP = ["strategy=ddp", *EXACT_DATA, "trainer.max_epochs=2", "trainer.log_every_n_steps=1", "checkpoint.every_n_steps=5"]
+# One process, 16 steps per epoch (128 samples, batch 8); its reference stops 4 steps into the second epoch.
+EXACT_SINGLE = ["strategy=single", *EXACT_DATA, "trainer.max_epochs=3"]
+EXACT_SINGLE_STEPS = 20
+
+
+@pytest.fixture(scope="session")
+def exact_ddp_reference(tmp_path_factory):
+    """EXACT_DDP uninterrupted under torchrun --nproc_per_node=2: (run dir, its final last.pt)."""
+    cwd = tmp_path_factory.mktemp("exact_ddp_reference")
+    check(launch(EXACT_DDP, cwd, nproc=2))
+    (run_dir,) = run_dirs(cwd)
+    checkpoint = torch.load(run_dir / "checkpoints" / "last.pt", weights_only=True)
+    assert checkpoint["global_step"] == 16 and checkpoint["epoch"] == 2
+    return run_dir, checkpoint
+
+
+@pytest.fixture(scope="session")
+def exact_single_reference(tmp_path_factory):
+    """EXACT_SINGLE uninterrupted for EXACT_SINGLE_STEPS steps in one process: (run dir, its final last.pt)."""
+    cwd = tmp_path_factory.mktemp("exact_single_reference")
+    check(launch([*EXACT_SINGLE, f"trainer.max_steps={EXACT_SINGLE_STEPS}"], cwd))
+    (run_dir,) = run_dirs(cwd)
+    checkpoint = torch.load(run_dir / "checkpoints" / "last.pt", weights_only=True)
+    assert checkpoint["global_step"] == EXACT_SINGLE_STEPS
+    return run_dir, checkpoint
