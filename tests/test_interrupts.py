@@ -15,14 +15,15 @@ from pathlib import Path
 
 import pytest
 
-from conftest import REPO, TINY, TORCHRUN, TRAIN, check, job_dir, job_numbers, run_dirs
+from conftest import EXACT_DATA, EXACT_SINGLE_STEPS, REPO, TINY, TORCHRUN, TRAIN, check, job_dir, job_numbers, run_dirs
 from ddp.checkpoint import load_checkpoint
 from test_fault_tolerance import _clean_env, assert_bit_identical, last_checkpoint
 
 # Long enough to be interrupted (dropout, augmentation and loader workers, so resuming has
-# something to get wrong); a resumed run is bounded by trainer.max_steps instead.
-LONG = [*TINY, "model.dropout=0.3", "data.augment=true", "data.num_workers=2", "trainer.max_epochs=100000",
-        "checkpoint.every_n_steps=5"]
+# something to get wrong); a resumed run is bounded by trainer.max_steps instead. The training of
+# tests/conftest.py's exact references (EXACT_DATA, no LR schedule): a resumed run bounded at a
+# reference's last step ends bit-identical to it.
+LONG = [*EXACT_DATA, "trainer.max_epochs=100000", "checkpoint.every_n_steps=5"]
 LAUNCHERS = {
     "python": [sys.executable, str(TRAIN), "strategy=single"],
     "self_launched_ddp": [sys.executable, str(TRAIN), "strategy=ddp", "strategy.nproc_per_node=2"],
@@ -69,9 +70,20 @@ def finish(process: subprocess.Popen, cwd) -> tuple[int, str, str]:
     return returncode, (cwd / "stdout.txt").read_text(), (cwd / "stderr.txt").read_text()
 
 
+# Per launcher: the step to finish at, the reference run of that many steps (tests/conftest.py), and
+# the rank slowed down. Every training forward of that rank takes SLOW_MS longer (fault.slow_rank, a
+# sleep: it changes no number, and the resumed run goes without it), so the Ctrl-C, right after the
+# step-5 checkpoint, comes many seconds before the last step.
+FINISH = {"python": (EXACT_SINGLE_STEPS, "exact_single_reference", 0),
+          "self_launched_ddp": (16, "exact_ddp_reference", 1),
+          "torchrun": (16, "exact_ddp_reference", 1)}
+SLOW_MS = 500
+
+
 @pytest.mark.parametrize("launcher", LAUNCHERS)
-def test_ctrl_c_saves_at_the_next_step_and_the_printed_command_finishes_bit_identically(launcher, tmp_path):
-    command = [*LAUNCHERS[launcher], *LONG]
+def test_ctrl_c_saves_at_the_next_step_and_the_printed_command_finishes_bit_identically(launcher, tmp_path, request):
+    last_step, reference_fixture, slow_rank = FINISH[launcher]
+    command = [*LAUNCHERS[launcher], *LONG, f"fault.slow_rank={slow_rank}", f"fault.slow_ms={SLOW_MS}"]
     process = start(command, tmp_path)
     wait_for_training(process, tmp_path)
     ctrl_c(process)
@@ -83,6 +95,7 @@ def test_ctrl_c_saves_at_the_next_step_and_the_printed_command_finishes_bit_iden
     step, resume = int(hints[0][1]), shlex.split(hints[0][2])
     (run_dir,) = run_dirs(tmp_path)
     assert last_checkpoint(run_dir)["global_step"] == step
+    assert step < last_step, f"interrupted at step {step}: too late for this test"
     if launcher == "torchrun":
         # torchrun exits 1 with its own SignalException traceback, once its workers have saved.
         assert returncode == 1 and "SignalException" in stderr, output[-4000:]
@@ -95,12 +108,9 @@ def test_ctrl_c_saves_at_the_next_step_and_the_printed_command_finishes_bit_iden
     assert resume[0] == ("torchrun" if launcher == "torchrun" else "python")
     assert resume[-1] == f"resume={os.path.relpath(run_dir, tmp_path)}"
     resume[0] = str(TORCHRUN) if launcher == "torchrun" else sys.executable
-    bounded = [f"trainer.max_steps={step + 4}"]
+    bounded = [f"trainer.max_steps={last_step}", "fault.slow_rank=-1"]
     check(subprocess.run([*resume, *bounded], cwd=tmp_path, env=_clean_env(), capture_output=True, text=True, timeout=180))
-    reference = tmp_path / "reference"
-    reference.mkdir()
-    check(subprocess.run([*command, *bounded], cwd=reference, env=_clean_env(), capture_output=True, text=True, timeout=180))
-    assert_bit_identical(last_checkpoint(run_dir), last_checkpoint(run_dirs(reference)[0]))
+    assert_bit_identical(last_checkpoint(run_dir), request.getfixturevalue(reference_fixture)[1])
 
 
 def test_a_stop_while_a_loader_worker_is_still_starting_exits_without_a_traceback(tmp_path):
@@ -145,7 +155,9 @@ def test_a_second_ctrl_c_exits_at_once_and_the_saved_checkpoint_still_loads(tmp_
 
 
 def test_ctrl_c_in_a_sweep_marks_the_job_interrupted_and_starts_no_other(tmp_path):
-    process = start([sys.executable, str(TRAIN), "-m", "strategy=single", *LONG, "data.batch_size=8,16"], tmp_path)
+    # No loader workers: what the sweep does with the interrupted job doesn't depend on them (the first test's do).
+    without_workers = [arg for arg in LONG if not arg.startswith("data.num_workers=")]
+    process = start([sys.executable, str(TRAIN), "-m", "strategy=single", *without_workers, "data.batch_size=8,16"], tmp_path)
     wait_for_training(process, tmp_path)
     ctrl_c(process)
     returncode, stdout, stderr = finish(process, tmp_path)
