@@ -90,11 +90,13 @@ def test_two_sweeps_started_together_get_two_complete_sweep_dirs(tmp_path):
 
 def test_resume_of_a_run_that_is_still_training_is_refused_and_the_run_goes_on_untouched(tmp_path):
     """A second launch with resume=<dir> stops with one line naming the live run, writes nothing;
-    the first run, stopped later by SIGTERM at step S, equals an undisturbed run of S steps."""
+    the first run, stopped later by SIGTERM at step S, equals an undisturbed run of S steps.
+    The first run's every step takes 200 ms longer (fault.slow_rank, a sleep: it changes no number), so
+    it trains a few steps, not hundreds, while the second launch starts up (CPU the undisturbed run repeats)."""
     long_run = ["strategy=single", *TINY, "model.dropout=0.3", "trainer.max_epochs=100000", "checkpoint.every_n_steps=100000"]
     with open(tmp_path / "first.log", "w") as first_output:
-        first = subprocess.Popen([sys.executable, str(TRAIN), *long_run], cwd=tmp_path, env=_clean_env(),
-                                 stdout=first_output, stderr=subprocess.STDOUT)
+        first = subprocess.Popen([sys.executable, str(TRAIN), *long_run, "fault.slow_rank=0", "fault.slow_ms=200"], cwd=tmp_path,
+                                 env=_clean_env(), stdout=first_output, stderr=subprocess.STDOUT)
         try:
             deadline = time.monotonic() + 90
             while not (run_dirs(tmp_path) and "global_batch=" in (run_dirs(tmp_path)[0] / "train_rank0.log").read_text()):
@@ -135,7 +137,8 @@ def test_a_killed_run_leaves_no_lock_behind(tmp_path):
                                   env=_clean_env(), stdout=killed_output, stderr=subprocess.STDOUT)
         assert killed.wait(timeout=120) == -signal.SIGKILL, (tmp_path / "killed.log").read_text()
     (run_dir,) = run_dirs(tmp_path)
-    resumed = launch([*args, f"resume={run_dir}"], tmp_path)
+    # The resume's own loader workers have no part in the takeover: it loads in the main process.
+    resumed = launch([*args, "data.num_workers=0", f"resume={run_dir}"], tmp_path)
     check(resumed)
     assert "at epoch 0, batch 4, step 4" in resumed.stdout
     assert last_checkpoint(run_dir)["global_step"] == 32
