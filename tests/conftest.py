@@ -8,6 +8,7 @@ os.environ["CUDA_VISIBLE_DEVICES"] = ""
 # it starts, as torchrun's workers do. More threads only contend (a tiny run took 20% longer with two).
 os.environ.setdefault("OMP_NUM_THREADS", "1")
 
+import fcntl  # noqa: E402
 import json  # noqa: E402
 import random  # noqa: E402
 import signal  # noqa: E402
@@ -220,10 +221,30 @@ def hparams_table(logdir: Path) -> dict[str, dict]:
             for group in response.session_groups}
 
 
-# --- Exact-resume references, shared by tests/test_fault_tolerance.py and tests/test_interrupts.py ---
-# Each is one uninterrupted run; every resumed run of the same training (whatever stopped it) must end
-# bit-identical to it. fault.*, checkpoint.*, logging and trainer.max_epochs beyond the last step don't
-# change the training (no LR schedule here), so runs that differ only there compare to the same reference.
+# --- Runs made once per test session, and the exact-resume references (tests/test_fault_tolerance.py,
+# tests/test_interrupts.py) ---
+
+def shared(name: str, produce: Callable[[Path], object], tmp_path_factory) -> tuple[Path, object]:
+    """produce(dir) once for all test processes (pytest-xdist workers, each of which sets up session
+    fixtures of its own), in a dir they share: the first to get here runs it, the others wait for it
+    (asleep). Returns the dir and produce's result (JSON). As tests/test_slurm.py's `shared`."""
+    base = tmp_path_factory.getbasetemp()
+    if os.environ.get("PYTEST_XDIST_WORKER"):
+        base = base.parent  # the workers' common parent
+    cwd, result_file = base / name, base / f"{name}.json"
+    with open(base / f"{name}.lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        if not result_file.exists():
+            if cwd.exists():
+                pytest.fail(f"{name} failed in an earlier test: see its error")
+            cwd.mkdir()
+            result_file.write_text(json.dumps(produce(cwd)))
+    return cwd, json.loads(result_file.read_text())
+
+
+# Each reference is one uninterrupted run; every resumed run of the same training (whatever stopped it)
+# must end bit-identical to it. fault.*, checkpoint.*, logging and trainer.max_epochs beyond the last step
+# don't change the training (no LR schedule here), so runs that differ only there compare to the same one.
 
 # Randomness everywhere a resume could get it wrong: dropout (global RNG, per rank), random
 # augmentation in 2 DataLoader workers, and a shuffled sampler.
@@ -238,8 +259,7 @@ EXACT_SINGLE_STEPS = 20
 @pytest.fixture(scope="session")
 def exact_ddp_reference(tmp_path_factory):
     """EXACT_DDP uninterrupted under torchrun --nproc_per_node=2: (run dir, its final last.pt)."""
-    cwd = tmp_path_factory.mktemp("exact_ddp_reference")
-    check(launch(EXACT_DDP, cwd, nproc=2))
+    cwd, _ = shared("exact_ddp_reference", lambda cwd: check(launch(EXACT_DDP, cwd, nproc=2)), tmp_path_factory)
     (run_dir,) = run_dirs(cwd)
     checkpoint = torch.load(run_dir / "checkpoints" / "last.pt", weights_only=True)
     assert checkpoint["global_step"] == 16 and checkpoint["epoch"] == 2
@@ -249,8 +269,8 @@ def exact_ddp_reference(tmp_path_factory):
 @pytest.fixture(scope="session")
 def exact_single_reference(tmp_path_factory):
     """EXACT_SINGLE uninterrupted for EXACT_SINGLE_STEPS steps in one process: (run dir, its final last.pt)."""
-    cwd = tmp_path_factory.mktemp("exact_single_reference")
-    check(launch([*EXACT_SINGLE, f"trainer.max_steps={EXACT_SINGLE_STEPS}"], cwd))
+    steps = [*EXACT_SINGLE, f"trainer.max_steps={EXACT_SINGLE_STEPS}"]
+    cwd, _ = shared("exact_single_reference", lambda cwd: check(launch(steps, cwd)), tmp_path_factory)
     (run_dir,) = run_dirs(cwd)
     checkpoint = torch.load(run_dir / "checkpoints" / "last.pt", weights_only=True)
     assert checkpoint["global_step"] == EXACT_SINGLE_STEPS
