@@ -65,8 +65,8 @@ def contenders(settings: Settings, quick: bool) -> list[Contender]:
         "single": (1, ["strategy=single"]),
         "dp": (1, ["strategy=dp"]),
     }
-    if quick:
-        variants = {name: variants[name] for name in ("ddp", "ddp syncbn", "single")}
+    if quick:  # the contenders of the headline ratios: DDP against the plain loop, and weak scaling
+        variants = {name: variants[name] for name in ("ddp", "single")}
     chosen = []
     for model in settings.models:
         chosen.append(Contender("plain", model, 2, ["--model", model]))

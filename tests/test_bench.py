@@ -1,18 +1,31 @@
-"""`make bench` end to end in its tiny form (BENCH_QUICK=1), so the tool can't rot; and the data-wait
+"""`make bench` end to end in its tiny form (BENCH_QUICK=1: the plain loop, DDP and single), so the tool
+can't rot; the full bench's commands and ratio rows, checked without running it; and the data-wait
 measure it and every run report."""
 
+import importlib.util
 import os
 import re
 import subprocess
 import sys
 import time
+from pathlib import Path
 
 import pytest
 import torch
+from hydra import compose, initialize_config_dir
 from PIL import Image
 
 from conftest import REPO, check
+from ddp.config import register_configs
+from ddp.config_checks import validate
 from ddp.meter import ThroughputMeter
+
+
+def load_bench():
+    spec = importlib.util.spec_from_file_location("bench", REPO / "benchmarks" / "bench.py")
+    bench = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(bench)
+    return bench
 
 
 def test_quick_bench_writes_the_table_the_ratios_and_a_plot(tmp_path):
@@ -23,15 +36,51 @@ def test_quick_bench_writes_the_table_the_ratios_and_a_plot(tmp_path):
     (plot,) = tmp_path.glob("*-quick.png")
     text = table.read_text()
     assert text.split("\n\n![")[0] in result.stdout  # printed too
-    for contender in ("plain", "ddp", "ddp syncbn", "single"):
+    for contender in ("plain", "ddp", "single"):
         (row,) = [line for line in text.splitlines() if line.startswith(f"| small_cnn | {contender} |")]
         throughput = float(row.split("|")[4].split()[0])
         assert throughput > 0, row
     for ratio in ("train.py DDP / plain loop, throughput, small_cnn", "train.py DDP / plain loop, whole-process wall time",
-                  "syncbn=true / syncbn=false, step time, small_cnn", "weak scaling"):
+                  "weak scaling"):
         assert re.search(rf"\| {re.escape(ratio)}[^|]* \| \d+\.\d{{3}} \|", text), ratio
     with Image.open(plot) as image:
         assert image.format == "PNG" and image.width > 100
+
+
+def test_every_contender_of_the_full_bench_composes_and_its_ratios_come_out():
+    """`make bench` takes 21 minutes, so no test runs it whole: each train.py command it would run (syncbn=true,
+    bf16, channels_last and dp too) composes and passes train.py's checks, and its report, from made-up
+    measurements, has every ratio row with the ratio of those numbers (syncbn's: ddp's throughput over ddp
+    syncbn's)."""
+    bench = load_bench()
+    chosen = bench.contenders(bench.FULL, quick=False)
+    register_configs()
+    with initialize_config_dir(config_dir=str(REPO / "conf"), version_base="1.3"):
+        for contender in (c for c in chosen if c.name != "plain"):
+            argv = bench.command(contender, bench.FULL, Path("run"))
+            overrides = [arg for arg in argv[argv.index(str(REPO / "train.py")) + 1:] if not arg.startswith("hydra.")]
+            validate(compose("config", overrides=overrides), launched=contender.processes > 1, world_size=contender.processes)
+    for index, contender in enumerate(chosen):  # distinct throughputs: 100, 110, 120, ...
+        contender.throughput, contender.wall = [100.0 + 10 * index], [10.0 + index]
+    found = {(c.name, c.model): c for c in chosen}
+    table = bench.report(chosen, bench.FULL, quick=False)
+    rows = dict(re.findall(r"^\| ([^|]+) \| (\d+\.\d{3}) \|", table, re.M))
+
+    def throughput(name, model):
+        return found[name, model].throughput[0]
+
+    for model in ("small_cnn", "resnet18"):
+        expected = {
+            f"train.py DDP / plain loop, throughput, {model}": throughput("ddp", model) / throughput("plain", model),
+            f"syncbn=true / syncbn=false, step time, {model}, 2 ranks": throughput("ddp", model) / throughput("ddp syncbn", model),
+            f"weak scaling: per-rank throughput, 2 ranks / 1 rank, {model}": throughput("ddp", model) / 2 / throughput("single", model),
+            f"bf16 / fp32, throughput, {model}, 2 ranks": throughput("ddp bf16", model) / throughput("ddp", model),
+            f"channels_last / NCHW, throughput, {model}, 2 ranks": throughput("ddp channels_last", model) / throughput("ddp", model),
+        }
+        for what, ratio in expected.items():
+            assert float(rows[what]) == pytest.approx(ratio, abs=5e-4), what
+    wall = found["ddp", "small_cnn"].wall[0] / found["plain", "small_cnn"].wall[0]
+    assert float(rows["train.py DDP / plain loop, whole-process wall time, small_cnn"]) == pytest.approx(wall, abs=5e-4)
 
 
 def test_time_spent_waiting_for_batches_is_the_data_wait():

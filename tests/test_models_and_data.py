@@ -252,28 +252,28 @@ def test_unreadable_images_end_the_run_in_one_line(tmp_path):
 
 def test_unreadable_images_skipped_are_counted_and_resume_stays_exact(tmp_path):
     """data.on_bad_sample=skip: each unreadable image is replaced by the next one of its split, the same
-    on every read, so a run stopped at step 5 and resumed from its step-3 checkpoint ends with the very
-    weights of the run never stopped (random augmentation, two DataLoader workers); both count the 3 files."""
+    on every read, so a run resumed from the step-3 checkpoint of another ends with the very weights of
+    that run never stopped (random augmentation, two DataLoader workers); both count the 3 files, and
+    each logs them, the resumed one in its own run dir."""
     root = write_imagefolder(tmp_path / "images", per_class=6)
     paths = add_unreadable_images(root)
     args = ["data=imagefolder", f"data.root={root}", "data.image_size=16", "data.batch_size=4", "data.num_workers=2",
             "data.augment=trivialaugment", "data.on_bad_sample=skip", "model.channels=[8,16]", "trainer.max_epochs=2",
-            "checkpoint.every_n_steps=3"]
-    for name in ("straight", "stopped"):
+            "checkpoint.every_n_steps=3", "checkpoint.keep_last=10"]  # all kept: step 3's too
+    for name in ("straight", "resumed"):
         (tmp_path / name).mkdir()
     check(launch(args, tmp_path / "straight"))
-    stopped = launch([*args, "fault.raise_rank=0", "fault.at_step=5"], tmp_path / "stopped")
-    assert "injected fault" in stopped.stderr
-    (run_dir,) = run_dirs(tmp_path / "stopped")
-    check(launch([*args, f"resume={run_dir}"], tmp_path / "stopped"))
-    straight, resumed = load_last(tmp_path / "straight"), load_last(tmp_path / "stopped")
+    (straight_dir,) = run_dirs(tmp_path / "straight")
+    check(launch([*args, f"resume={straight_dir / 'checkpoints' / 'step-00000003.pt'}"], tmp_path / "resumed"))
+    straight, resumed = load_last(tmp_path / "straight"), load_last(tmp_path / "resumed")
     assert straight["global_step"] == resumed["global_step"] == 8  # 14 training images: 4 batches, 2 epochs
     assert all(torch.equal(value, resumed["model"][key]) for key, value in straight["model"].items())
-    for cwd in (tmp_path / "straight", tmp_path / "stopped"):
+    for cwd in (tmp_path / "straight", tmp_path / "resumed"):
         assert load_results(cwd)["bad_samples_skipped"] == 3
         (run_dir,) = run_dirs(cwd)
         log_text = (run_dir / "train_rank0.log").read_text()
         assert "replaced 3 unreadable image(s)" in log_text and all(path in log_text for path in paths.values())
+    assert "at epoch 0, batch 3, step 3" in log_text  # the resumed run's
 
 
 # --- loss-side regularisation -----------------------------------------------------------------

@@ -3,15 +3,13 @@ EMA, channels_last and compile, composed with DDP, exact resume and the no-host-
 
 import json
 import re
-import subprocess
 
 import pytest
 import torch
 from omegaconf import OmegaConf
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
-from conftest import (REPO, TINY, TORCHRUN, TRAIN, check, hparams_table, launch, load_last, load_results, run_dirs,
-                      write_imagefolder)
+from conftest import REPO, TINY, check, hparams_table, job_dir, launch, load_last, load_results, run_dirs, write_imagefolder
 from data import build_datasets
 from ddp.env import DistEnv
 from ddp.loaders import build_val_loader
@@ -19,7 +17,7 @@ from ddp.ema import build_ema
 from models import build_model
 from models.small_cnn import SmallCNN
 from ddp.evaluation import evaluate
-from test_fault_tolerance import _clean_env, assert_bit_identical, assert_same_state, last_checkpoint
+from test_fault_tolerance import assert_bit_identical, assert_same_state, last_checkpoint
 from test_update import cosine_with_warmup
 from tasks.classification import ClassificationTask
 
@@ -122,13 +120,14 @@ def test_everything_on_trains_channels_last_in_bf16_with_clipped_gradients(recip
         assert len(applied) == 8 and all(norm <= 0.7 * (1 + 1e-6) for norm in applied), applied
 
 
-def test_kill_and_resume_with_everything_on_is_bit_identical(recipe, recipe_run, tmp_path):
-    """Rank 1 dies after update 5; the restarted workers resume from update 4: model, optimizer,
-    scheduler, scaler and EMA end exactly as in the uninterrupted run (RandAugment, random erasing,
-    MixUp/CutMix and dropout draw the same numbers again)."""
-    command = [str(TORCHRUN), "--nproc_per_node=2", "--max-restarts=1", str(TRAIN), *recipe, "fault.kill_rank=1",
-               "fault.at_step=5"]
-    check(subprocess.run(command, cwd=tmp_path, env=_clean_env(), capture_output=True, text=True, timeout=240))
+def test_a_resume_with_everything_on_is_bit_identical(recipe, recipe_run, tmp_path):
+    """2 ranks resume the recipe from its step-4 checkpoint (update 4 of 8, an epoch's end): model,
+    optimizer, scheduler, scaler and EMA end exactly as in the uninterrupted run (RandAugment, random
+    erasing, MixUp/CutMix and dropout draw the same numbers again). A resume from a file, not a kill:
+    a torchrun restart after a killed rank finds its checkpoint and ends bit-identical in
+    test_fault_tolerance.py; what this run adds is the recipe's state."""
+    (reference_dir,) = run_dirs(recipe_run[0])
+    check(launch([*recipe, f"resume={reference_dir / 'checkpoints' / 'step-00000004.pt'}"], tmp_path, nproc=2, timeout=240))
     (run_dir,) = run_dirs(tmp_path)
     assert "at epoch 1, batch 0, step 4" in (run_dir / "train_rank0.log").read_text()
     resumed, reference = last_checkpoint(run_dir), load_last(recipe_run[0])
@@ -151,20 +150,38 @@ def test_two_ranks_accumulating_two_micro_batches_equal_one_process_with_four_ti
     assert load_results(tmp_path / "ddp")["global_batch_size"] == load_results(tmp_path / "single")["global_batch_size"] == 32
 
 
-def test_logged_lr_is_the_schedule_step_for_step_across_a_resume_in_warmup(tmp_path):
-    """cosine, warmup 10 of 32 updates; the run dies at update 7 and resumes from update 5 (in the warmup)."""
-    args = ["strategy=single", *TINY, "trainer.log_every_n_steps=1", "scheduler=cosine", "scheduler.warmup_steps=10",
-            "scheduler.min_lr=0.001", "checkpoint.every_n_steps=5"]
-    killed = launch([*args, "fault.kill_rank=0", "fault.at_step=7"], tmp_path)
-    assert killed.returncode != 0
-    (run_dir,) = run_dirs(tmp_path)
-    check(launch([*args, f"resume={run_dir}"], tmp_path))
+# One process in fp16 with a cosine schedule (warmup 10 of 32 updates), a checkpoint every 5 updates (all kept):
+# straight through, and resumed from its step-5 checkpoint (in the warmup) in a run dir of its own.
+FP16_COSINE = ["strategy=single", *TINY, "precision=16", "trainer.log_every_n_steps=1", "scheduler=cosine",
+               "scheduler.warmup_steps=10", "scheduler.min_lr=0.001", "checkpoint.every_n_steps=5", "checkpoint.keep_last=10"]
+
+
+@pytest.fixture(scope="module")
+def fp16_cosine(tmp_path_factory):
+    """FP16_COSINE's run dirs: (straight, resumed from the straight run's step-5 checkpoint)."""
+    straight_cwd, resumed_cwd = tmp_path_factory.mktemp("fp16_straight"), tmp_path_factory.mktemp("fp16_resumed")
+    check(launch(FP16_COSINE, straight_cwd))
+    (straight,) = run_dirs(straight_cwd)
+    check(launch([*FP16_COSINE, f"resume={straight / 'checkpoints' / 'step-00000005.pt'}"], resumed_cwd))
+    (resumed,) = run_dirs(resumed_cwd)
+    return straight, resumed
+
+
+def logged_lr(run_dir) -> list[tuple[int, float]]:
     accumulator = EventAccumulator(str(run_dir))
     accumulator.Reload()
-    logged = [(e.step, e.value) for e in accumulator.Scalars("train/lr")]
-    assert [step for step, _ in logged] == list(range(1, 33))
-    expected = [cosine_with_warmup(step - 1, 0.05, 10, 32, 0.001) for step, _ in logged]
-    assert [value for _, value in logged] == pytest.approx(expected, rel=1e-6)  # TensorBoard stores float32
+    return [(e.step, e.value) for e in accumulator.Scalars("train/lr")]
+
+
+def test_logged_lr_is_the_schedule_step_for_step_across_a_resume_in_warmup(fp16_cosine):
+    """Straight: updates 1 to 32; resumed from update 5: updates 6 to 32, each the LR of the schedule.
+    (A kill and a resume in the same run dir, whose TensorBoard events a reader sees once per step:
+    test_fault_tolerance.py.)"""
+    for run_dir, first_step in zip(fp16_cosine, (1, 6)):
+        logged = logged_lr(run_dir)
+        assert [step for step, _ in logged] == list(range(first_step, 33)), run_dir
+        expected = [cosine_with_warmup(step - 1, 0.05, 10, 32, 0.001) for step, _ in logged]
+        assert [value for _, value in logged] == pytest.approx(expected, rel=1e-6)  # TensorBoard stores float32
 
 
 def test_a_resume_with_a_changed_lr_trains_at_it_and_reports_it(tmp_path):
@@ -187,29 +204,32 @@ def test_a_resume_with_a_changed_lr_trains_at_it_and_reports_it(tmp_path):
     assert [group["lr"] for group in load_last(tmp_path)["optimizer"]["param_groups"]] == [0.5]
 
 
+@pytest.fixture(scope="module")
+def digits_in_mixed_precision(tmp_path_factory):
+    """The default data, with a narrower small_cnn, Adam and 4 epochs, in bf16 and in fp16: one multirun,
+    so one process start for both. CPU has no fast fp16 kernels, and the default recipe in fp16 takes
+    minutes here (fp32 and bf16 reach 0.96 on this recipe too). {precision: its job's results.json}"""
+    cwd = tmp_path_factory.mktemp("digits")
+    check(launch(["-m", "precision=bf16,16", "model.channels=[16,32]", "optim=adam", "optim.lr=0.01", "trainer.max_epochs=4"],
+                 cwd, timeout=600))
+    (sweep,) = (cwd / "outputs" / "multirun").iterdir()
+    jobs = {"bf16": 0, "16": 1}  # the sweep's order
+    return {precision: json.loads((job_dir(sweep, job) / "results.json").read_text()) for precision, job in jobs.items()}
+
+
 @pytest.mark.parametrize("precision", ["bf16", "16"])
-def test_mixed_precision_still_learns_digits_to_over_90_percent(precision, tmp_path):
-    """The default data, with a narrower small_cnn, Adam and 4 epochs: CPU has no fast fp16 kernels,
-    and the default recipe in fp16 takes minutes here (fp32 and bf16 reach 0.96 on this recipe too)."""
-    check(launch([f"precision={precision}", "model.channels=[16,32]", "optim=adam", "optim.lr=0.01", "trainer.max_epochs=4"],
-                 tmp_path, timeout=300))
-    results = load_results(tmp_path)
+def test_mixed_precision_still_learns_digits_to_over_90_percent(precision, digits_in_mixed_precision):
+    results = digits_in_mixed_precision[precision]
     assert results["precision"] == precision and results["val_accuracy"] > 0.9, results
 
 
-def test_fp16_resumes_its_grad_scaler_exactly(tmp_path):
-    """Stop at update 3, extend to 6: the same model, optimizer and GradScaler state as 6 straight."""
-    args = ["strategy=single", *TINY, "precision=16"]
-    (tmp_path / "first").mkdir()
-    check(launch([*args, "trainer.max_steps=3"], tmp_path / "first"))
-    (first,) = run_dirs(tmp_path / "first")
-    check(launch([*args, "trainer.max_steps=6", f"resume={first}"], tmp_path / "first"))
-    (tmp_path / "straight").mkdir()
-    check(launch([*args, "trainer.max_steps=6"], tmp_path / "straight"))
-    extended, straight = last_checkpoint(first), load_last(tmp_path / "straight")
-    assert extended["scaler"]["scale"] > 0
-    assert_bit_identical(extended, straight)
-    assert_same_state(extended["scaler"], straight["scaler"])
+def test_fp16_resumes_its_grad_scaler_exactly(fp16_cosine):
+    """Resumed from update 5: the same model, optimizer, scheduler and GradScaler state as 32 straight
+    (a scaler started afresh would end with another growth count, if not another scale)."""
+    straight, resumed = (last_checkpoint(run_dir) for run_dir in fp16_cosine)
+    assert resumed["scaler"]["scale"] > 0
+    assert_bit_identical(resumed, straight)
+    assert_same_state({k: resumed[k] for k in UPDATE_STATE_KEYS}, {k: straight[k] for k in UPDATE_STATE_KEYS})
 
 
 def test_compiled_ddp_trains_and_saves_plain_keys(tmp_path):

@@ -137,7 +137,7 @@ def test_imagefolder_trains_a_pretrained_torchvision_model_and_evaluates_its_tes
     weights["bn1.weight"].fill_(5.0)
     torch.save(weights, tmp_path / "resnet18_imagenet.pth")
     data = ["data=imagefolder", f"data.root={root}", "data.image_size=32", "data.batch_size=4", "data.num_workers=2"]
-    for cwd in ("train", "eval", "eval_val"):
+    for cwd in ("train", "eval"):
         (tmp_path / cwd).mkdir()
     check(launch([*data, "data.augment=trivialaugment", "model=torchvision", "model.name=resnet18",
                   f"model.weights_path={tmp_path / 'resnet18_imagenet.pth'}", "trainer.max_epochs=2"], tmp_path / "train"))
@@ -152,13 +152,12 @@ def test_imagefolder_trains_a_pretrained_torchvision_model_and_evaluates_its_tes
     assert torch.allclose(trained["bn1.weight"], weights["bn1.weight"], atol=0.5)
     assert not torch.equal(trained["bn1.weight"], weights["bn1.weight"])
 
-    check(launch([*data, "data.num_workers=0", "mode=eval", f"resume={run_dir}", "data.split=test"], tmp_path / "eval"))
-    (eval_dir,) = run_dirs(tmp_path / "eval")
-    evaluated = json.loads((eval_dir / "eval.json").read_text())
-    assert (evaluated["split"], evaluated["test_samples"], evaluated["step"]) == ("test", 15, 12)
-    # the same checkpoint on the val split: the run's own final val metrics
-    check(launch([*data, "data.num_workers=0", "mode=eval", f"resume={run_dir}", "data.split=val"], tmp_path / "eval_val"))
-    (eval_dir,) = run_dirs(tmp_path / "eval_val")
-    evaluated = json.loads((eval_dir / "eval.json").read_text())
-    assert (evaluated["val_samples"], evaluated["val_accuracy"]) == (12, results["val_accuracy"])
-    assert evaluated["val_loss"] == pytest.approx(results["val_loss"], rel=1e-6)
+    # one multirun evaluates the checkpoint on test/, and on val/: there, the run's own final val metrics
+    check(launch(["-m", *data, "data.num_workers=0", "mode=eval", f"resume={run_dir}", "data.split=test,val"], tmp_path / "eval"))
+    (sweep,) = (tmp_path / "eval" / "outputs" / "multirun").iterdir()
+    on_test, on_val = (json.loads((job_dir(sweep, job) / "eval.json").read_text()) for job in (0, 1))
+    assert (on_test["split"], on_test["test_samples"], on_test["step"]) == ("test", 15, 12)
+    assert (on_val["split"], on_val["val_samples"], on_val["val_accuracy"]) == ("val", 12, results["val_accuracy"])
+    assert on_val["val_loss"] == pytest.approx(results["val_loss"], rel=1e-6)
+    for job in (0, 1):  # an evaluation saves nothing
+        assert not list(job_dir(sweep, job).rglob("*.pt")) and not list(job_dir(sweep, job).rglob("events.out.tfevents*"))
