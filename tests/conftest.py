@@ -218,3 +218,31 @@ def hparams_table(logdir: Path) -> dict[str, dict]:
     response = list_session_groups.Handler(context.RequestContext(), backend, "", request).run()
     return {group.name: {name: json_format.MessageToDict(value) for name, value in group.hparams.items()}
             for group in response.session_groups}
+
+
+# --- runs that every test process shares ------------------------------------------------------------
+# pytest-xdist runs a module- or session-scoped fixture once in each worker that needs it: with the
+# tests of one module split over both workers, an expensive run would run twice.
+
+def shared_run(name: str, produce: Callable[[Path], dict], tmp_path_factory) -> tuple[Path, dict]:
+    """produce(dir) once for all test processes (pytest-xdist workers), in a dir they share: the
+    first to get here runs it, the others wait for it. Returns the dir and produce's result (JSON)."""
+    import fcntl
+
+    base = tmp_path_factory.getbasetemp()
+    if os.environ.get("PYTEST_XDIST_WORKER"):
+        base = base.parent  # the workers' common parent
+    cwd, result_file = base / name, base / f"{name}.json"
+    with open(base / f"{name}.lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        if not result_file.exists():
+            if cwd.exists():
+                pytest.fail(f"{name} failed in an earlier test: see its error")
+            cwd.mkdir()
+            result_file.write_text(json.dumps(produce(cwd)))
+    return cwd, json.loads(result_file.read_text())
+
+
+def as_json(result: subprocess.CompletedProcess) -> dict:
+    """What tests read of a finished process, for shared_run."""
+    return {"returncode": result.returncode, "stdout": result.stdout, "stderr": result.stderr}
