@@ -215,6 +215,11 @@ OUR_ERRORS = {
         "data.interpolation=lanczos", "unknown, use one of bilinear, bicubic, nearest", _empty_dir,
     ),
     "negative_mixup_alpha": (QUICK + ["data.mixup_alpha=-1"], "data.mixup_alpha=-1", "must be >= 0", None),
+    "mixup_with_segmentation": (
+        ["trainer.max_epochs=1", "task=segmentation", "data=shapes", "model=small_segnet", "data.num_samples=8",
+         "data.num_val_samples=4", "data.image_size=24", "data.mixup_alpha=0.2"], "data.mixup_alpha=0.2",
+        "data.mixup_alpha=0.2: task=segmentation trains on hard per-pixel labels; set data.mixup_alpha=0", None,
+    ),
     "label_smoothing_of_one": (QUICK + ["trainer.label_smoothing=1"], "trainer.label_smoothing=1", "must be in [0, 1)", None),
     "unknown_torchvision_model": (
         QUICK + ["model=torchvision", "model.name=resnet5"], "model.name=resnet5", "closest: resnet50, ", None,
