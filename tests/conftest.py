@@ -221,13 +221,13 @@ def hparams_table(logdir: Path) -> dict[str, dict]:
             for group in response.session_groups}
 
 
-# --- Runs made once per test session, and the exact-resume references (tests/test_fault_tolerance.py,
-# tests/test_interrupts.py) ---
+# --- Runs that every test process shares, and the exact-resume references -----------------------------
+# pytest-xdist runs a module- or session-scoped fixture once in each worker that needs it: with the
+# tests that read a run split over both workers, an expensive run would run twice.
 
-def shared(name: str, produce: Callable[[Path], object], tmp_path_factory) -> tuple[Path, object]:
-    """produce(dir) once for all test processes (pytest-xdist workers, each of which sets up session
-    fixtures of its own), in a dir they share: the first to get here runs it, the others wait for it
-    (asleep). Returns the dir and produce's result (JSON). As tests/test_slurm.py's `shared`."""
+def shared_run(name: str, produce: Callable[[Path], object], tmp_path_factory) -> tuple[Path, object]:
+    """produce(dir) once for all test processes (pytest-xdist workers), in a dir they share: the
+    first to get here runs it, the others wait for it (asleep). Returns the dir and produce's result (JSON)."""
     base = tmp_path_factory.getbasetemp()
     if os.environ.get("PYTEST_XDIST_WORKER"):
         base = base.parent  # the workers' common parent
@@ -240,6 +240,11 @@ def shared(name: str, produce: Callable[[Path], object], tmp_path_factory) -> tu
             cwd.mkdir()
             result_file.write_text(json.dumps(produce(cwd)))
     return cwd, json.loads(result_file.read_text())
+
+
+def as_json(result: subprocess.CompletedProcess) -> dict:
+    """What tests read of a finished process, for shared_run."""
+    return {"returncode": result.returncode, "stdout": result.stdout, "stderr": result.stderr}
 
 
 # Each reference is one uninterrupted run; every resumed run of the same training (whatever stopped it)
@@ -259,7 +264,7 @@ EXACT_SINGLE_STEPS = 20
 @pytest.fixture(scope="session")
 def exact_ddp_reference(tmp_path_factory):
     """EXACT_DDP uninterrupted under torchrun --nproc_per_node=2: (run dir, its final last.pt)."""
-    cwd, _ = shared("exact_ddp_reference", lambda cwd: check(launch(EXACT_DDP, cwd, nproc=2)), tmp_path_factory)
+    cwd, _ = shared_run("exact_ddp_reference", lambda cwd: check(launch(EXACT_DDP, cwd, nproc=2)), tmp_path_factory)
     (run_dir,) = run_dirs(cwd)
     checkpoint = torch.load(run_dir / "checkpoints" / "last.pt", weights_only=True)
     assert checkpoint["global_step"] == 16 and checkpoint["epoch"] == 2
@@ -270,7 +275,7 @@ def exact_ddp_reference(tmp_path_factory):
 def exact_single_reference(tmp_path_factory):
     """EXACT_SINGLE uninterrupted for EXACT_SINGLE_STEPS steps in one process: (run dir, its final last.pt)."""
     steps = [*EXACT_SINGLE, f"trainer.max_steps={EXACT_SINGLE_STEPS}"]
-    cwd, _ = shared("exact_single_reference", lambda cwd: check(launch(steps, cwd)), tmp_path_factory)
+    cwd, _ = shared_run("exact_single_reference", lambda cwd: check(launch(steps, cwd)), tmp_path_factory)
     (run_dir,) = run_dirs(cwd)
     checkpoint = torch.load(run_dir / "checkpoints" / "last.pt", weights_only=True)
     assert checkpoint["global_step"] == EXACT_SINGLE_STEPS

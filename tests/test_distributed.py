@@ -1,21 +1,26 @@
-"""Real multi-process runs of train.py under torchrun (CPU, gloo): the properties DDP users rely on."""
+"""Real multi-process runs of train.py under torchrun (CPU, gloo): the properties DDP users rely on.
+
+Covered by other modules' runs, which already launch them:
+- ranks agreeing on the run dir through torchrun's shared store (its default): the 2-rank run of
+  tests/test_segmentation_runs.py (`learned`) runs with it, and tests/test_clusters.py's static
+  rendezvous agrees through it across two agents (the other tests here disable it);
+- evaluation exact with 3 ranks (uneven shards): mode=eval of a 2-rank DDP run's checkpoint on 3 ranks
+  in tests/test_models_and_data.py (classification, 37 samples), and of a segmentation run's in
+  tests/test_segmentation_runs.py; 2 ranks: test_reported_metrics_are_those_of_the_saved_model below."""
 
 import json
-import os
-import subprocess
 
 import pytest
 import torch
 from omegaconf import OmegaConf
 
-from conftest import REPO, TINY, TORCHRUN, check, launch, load_last, load_results, run_dirs
+from conftest import TINY, check, launch, load_last, load_results, run_dirs
 from data import build_datasets
 from ddp.env import DistEnv
 from ddp.loaders import build_val_loader
 from models import build_model
 from models.small_cnn import SmallCNN
 from ddp.evaluation import evaluate
-from workers.evaluate_shards import evaluate_fixed_model
 from tasks.classification import ClassificationTask
 
 
@@ -140,28 +145,3 @@ def test_dataparallel_run_resumes_a_ddp_checkpoint_and_reports_its_metrics(ddp_r
     assert dp["val_samples"] == ddp["val_samples"] == 37
     assert dp["val_accuracy"] == ddp["val_accuracy"]
     assert dp["val_loss"] == pytest.approx(ddp["val_loss"], rel=1e-6)
-
-
-def test_ranks_agree_on_the_run_dir_with_torchruns_shared_store(tmp_path):
-    """torchrun's default (a store shared with the workers) takes the other agreement path than the
-    TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1 that the other tests use."""
-    result = launch(["strategy=ddp", *TINY, "trainer.max_epochs=1"], tmp_path, nproc=2,
-                    env={"TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "0"})
-    check(result)
-    (run_dir,) = run_dirs(tmp_path)
-    assert sorted(p.name for p in run_dir.glob("train_rank*.log")) == ["train_rank0.log", "train_rank1.log"]
-
-
-def test_eval_counts_every_sample_once_for_any_world_size(tmp_path):
-    """One fixed model on 101 samples: 3 ranks (34, 34 and 33 samples) give the metrics of one
-    process. (2 ranks: test_reported_metrics_are_those_of_the_saved_model.)"""
-    out = tmp_path / "metrics3.json"
-    result = subprocess.run(
-        [str(TORCHRUN), "--nproc_per_node=3", str(REPO / "tests" / "workers" / "evaluate_shards.py"), str(out), "101"],
-        cwd=REPO, capture_output=True, text=True, timeout=120, env=os.environ | {"PYTHONPATH": str(REPO)},
-    )
-    check(result)
-    three_ranks, one_process = json.loads(out.read_text()), evaluate_fixed_model(DistEnv(), 101)
-    assert three_ranks["val_samples"] == one_process["val_samples"] == 101
-    assert three_ranks["val_accuracy"] == one_process["val_accuracy"]
-    assert three_ranks["val_loss"] == pytest.approx(one_process["val_loss"], rel=1e-6)  # float32 sums over other batch groupings

@@ -35,7 +35,7 @@ from torch.utils.data import DistributedSampler
 
 from conftest import EXACT_DDP as EXACT
 from conftest import EXACT_SINGLE as EXTEND
-from conftest import EXACT_SINGLE_STEPS, REPO, TINY, TORCHRUN, TRAIN, check, launch, run_dirs, shared, sigterm_when
+from conftest import EXACT_SINGLE_STEPS, REPO, TINY, TORCHRUN, TRAIN, check, launch, run_dirs, shared_run, sigterm_when
 from ids_and_noise import IdsAndNoise
 from ddp.checkpoint import CheckpointError, load_checkpoint, save_checkpoint, save_step_checkpoint
 from ddp.env import DistEnv
@@ -136,13 +136,13 @@ def reference(exact_ddp_reference):
 @pytest.fixture(scope="module")
 def killed_and_resumed(tmp_path_factory):
     """SIGKILL on rank 1 at step 7 (after the step-5 checkpoint), one restart allowed: (run dir, its
-    console output). Run once for all test processes (conftest.shared)."""
+    console output). Run once for all test processes (conftest.shared_run)."""
     def produce(cwd: Path) -> str:
         result = torchrun([*EXACT, "fault.kill_rank=1", "fault.at_step=7"], cwd, max_restarts=1)
         check(result)
         return result.stdout
 
-    cwd, stdout = shared("fault_tolerance_killed_and_resumed", produce, tmp_path_factory)
+    cwd, stdout = shared_run("fault_tolerance_killed_and_resumed", produce, tmp_path_factory)
     return the_run_dir(cwd), stdout  # the run dir survived the restart: one dir, not one per attempt
 
 
@@ -558,8 +558,8 @@ def test_resume_from_a_missing_path_starts_nothing(tmp_path):
 @pytest.fixture(scope="module")
 def stopped_at_step_5(tmp_path_factory):
     """A run cut short by trainer.max_steps=5, a third of the way into its first epoch: its run dir.
-    Run once for all test processes (conftest.shared); tests copy it before they resume it."""
-    cwd, _ = shared("fault_tolerance_max_steps_5", lambda cwd: check(launch([*EXTEND, "trainer.max_steps=5"], cwd)),
+    Run once for all test processes (conftest.shared_run); tests copy it before they resume it."""
+    cwd, _ = shared_run("fault_tolerance_max_steps_5", lambda cwd: check(launch([*EXTEND, "trainer.max_steps=5"], cwd)),
                     tmp_path_factory)
     return the_run_dir(cwd)
 

@@ -1,8 +1,10 @@
 """task=segmentation end to end, with real processes (python, torchrun, Hydra multirun; CPU, gloo):
 small_segnet learns the shapes dataset; SyncBN makes 2 ranks equal one process with their batches;
 evaluation is exact at any world size and equals mode=eval of the saved model; a killed rank resumes
-bit-identically; a sweep optimises val_miou; DP, accumulation, bf16 and EMA run; MixUp is refused;
-TensorBoard gets the image grid. Runs that several tests read are module fixtures."""
+bit-identically; a sweep optimises val_miou; DP, accumulation, bf16 and EMA run; TensorBoard gets the
+image grid. Runs that several tests read are fixtures shared by the test processes (conftest.shared_run).
+MixUp's refusal is one of tests/test_bad_input.py's config errors (in process, as the others of the
+task's refusals are in tests/test_segmentation.py)."""
 
 import csv
 import json
@@ -11,10 +13,11 @@ import math
 import pytest
 import torch
 import yaml
+from hydra import compose, initialize_config_dir
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
-from conftest import check, launch, run_dirs
-from test_bad_input import assert_nothing_trained
+import train
+from conftest import REPO, check, launch, run_dirs, shared_run
 from test_fault_tolerance import assert_bit_identical, last_checkpoint, torchrun
 
 # 1 thread per process: the suite runs two test processes on two cores, and a second thread per
@@ -59,13 +62,26 @@ def assert_same_metrics(actual: dict, expected: dict, where: str) -> None:
             assert actual[key] == value or (math.isnan(actual[key]) and math.isnan(value)), (where, key, actual[key], value)
 
 
-@pytest.fixture(scope="module")
+def run_learn(cwd) -> dict:
+    # torchrun's default, a store shared with the workers: the ranks agree on the run dir through it
+    # (the suite's other launches disable it, as restarts on gloo need)
+    check(launch(LEARN, cwd, nproc=2, timeout=300, env={"TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "0"}))
+    return {}
+
+
+@pytest.fixture
 def learned(tmp_path_factory):
     """LEARN on 2 ranks: (run dir, results)."""
-    cwd = tmp_path_factory.mktemp("seg_learn")
-    check(launch(LEARN, cwd, nproc=2, timeout=300))
+    cwd, _ = shared_run("seg_learn", run_learn, tmp_path_factory)
     (run_dir,) = run_dirs(cwd)
     return run_dir, results_in(cwd)
+
+
+def test_ranks_agree_on_the_run_dir_with_torchruns_shared_store(learned):
+    """One run dir for both ranks, each with its own log, through torchrun's shared store."""
+    run_dir, _ = learned
+    assert run_dirs(run_dir.parents[1]) == [run_dir]
+    assert sorted(p.name for p in run_dir.glob("train_rank*.log")) == ["train_rank0.log", "train_rank1.log"]
 
 
 def test_small_segnet_learns_shapes_to_miou_above_half(learned):
@@ -100,17 +116,25 @@ def test_tensorboard_gets_the_metrics_and_an_image_grid_at_each_validation(learn
 
 # --- evaluation: exact at any world size, and the saved model's -------------------------------------
 
-@pytest.fixture(scope="module")
+@pytest.fixture
 def evaluated(learned, tmp_path_factory):
-    """mode=eval of the learned run's checkpoint in one process and on 3 ranks: {world size: eval.json}."""
+    """mode=eval of the learned run's checkpoint in one process and on 3 ranks: {world size: eval.json}.
+    One process is train.run in this process (a launch would cost seconds of start-up); 3 ranks are
+    torchrun's."""
     run_dir, _ = learned
-    evaluations = {}
-    for nproc in (None, 3):
-        cwd = tmp_path_factory.mktemp(f"seg_eval_{nproc or 1}")
-        args = [*SEG, *VAL, "mode=eval", f"resume={run_dir}", "strategy=ddp" if nproc else "strategy=single"]
-        check(launch(args, cwd, nproc=nproc, env=ONE_THREAD, timeout=240))
-        evaluations[nproc or 1] = eval_results_in(cwd)
-    return evaluations
+
+    def evaluate_in(cwd) -> dict:
+        args = [*SEG, *VAL, "mode=eval", f"resume={run_dir}"]
+        (cwd / "1").mkdir()
+        with initialize_config_dir(config_dir=str(REPO / "conf"), version_base="1.3"):
+            cfg = compose("config", overrides=[*args, "strategy=single"])
+        train.run(cfg, cwd / "1", relaunch="")
+        (cwd / "3").mkdir()
+        check(launch([*args, "strategy=ddp"], cwd / "3", nproc=3, env=ONE_THREAD, timeout=240))
+        return {"1": json.loads((cwd / "1" / "eval.json").read_text()), "3": eval_results_in(cwd / "3")}
+
+    _, evaluations = shared_run("seg_eval", evaluate_in, tmp_path_factory)
+    return {int(world_size): results for world_size, results in evaluations.items()}  # JSON keys are strings
 
 
 def test_val_metrics_are_exact_at_world_sizes_1_2_3_and_equal_mode_eval_of_the_checkpoint(learned, evaluated):
@@ -168,15 +192,19 @@ def test_syncbn_two_ranks_of_batch_2_equal_one_process_of_batch_4(tmp_path):
 
 # --- the rest of the trainer with segmentation ---------------------------------------------------
 
-@pytest.fixture(scope="module")
-def dp_sweep(tmp_path_factory):
-    """A 2-trial Optuna search whose jobs run DataParallel, accumulation (2 micro-batches per update),
-    bf16 and EMA at once, in one process: (sweep dir, each job's results)."""
-    cwd = tmp_path_factory.mktemp("seg_dp_sweep")
+def run_dp_sweep(cwd) -> dict:
     args = ["-m", "hparams_search=optuna", "hydra.sweeper.n_trials=2", "strategy=dp", *SEG, "data.num_samples=48",
             "data.num_val_samples=8", "trainer.max_epochs=1", "trainer.accumulate_grad_batches=2", "precision=bf16",
             "ema.decay=0.9"]
     check(launch(args, cwd, env=ONE_THREAD, timeout=300))
+    return {}
+
+
+@pytest.fixture
+def dp_sweep(tmp_path_factory):
+    """A 2-trial Optuna search whose jobs run DataParallel, accumulation (2 micro-batches per update),
+    bf16 and EMA at once, in one process: (sweep dir, each job's results)."""
+    cwd, _ = shared_run("seg_dp_sweep", run_dp_sweep, tmp_path_factory)
     (sweep_dir,) = (cwd / "outputs" / "multirun").iterdir()
     return sweep_dir, [json.loads(path.read_text()) for path in sorted(sweep_dir.glob("*/results.json"))]
 
@@ -203,12 +231,3 @@ def test_a_two_job_optuna_sweep_maximises_val_miou(dp_sweep):
     assert [row["status"] for row in rows] == ["ok", "ok"]
     (best,) = [row for row in rows if row["best"] == "True"]
     assert float(best["val_miou"]) == pytest.approx(optuna_results["best_value"], rel=1e-12)
-
-
-def test_mixup_with_segmentation_is_a_one_line_error(tmp_path):
-    """(Label smoothing and CutMix are refused the same way: tests/test_segmentation.py.)"""
-    result = launch([*SEG, "data.mixup_alpha=0.2"], tmp_path, env=ONE_THREAD, timeout=120)
-    assert result.returncode == 1, result.stdout + result.stderr
-    assert result.stderr.strip().splitlines() == [
-        "error: data.mixup_alpha=0.2: task=segmentation trains on hard per-pixel labels; set data.mixup_alpha=0"]
-    assert_nothing_trained(tmp_path, result)

@@ -3,12 +3,16 @@ scripts/slurm/ddp.sbatch and hydra/launcher=slurm for real. Jobs are submitted w
 with scancel, requeued by SLURM and resumed, or cancelled. Every training job runs conftest's DDP_RUN
 and must end with the weights of torchrun 1 x 2 (one_node).
 
+A training job costs seconds of start-up per attempt, so the sbatch script's two stories share one
+run dir: a job cancelled, then submitted again (resume=auto), and that job warned of its time
+limit (USR1), requeued, and finished. The sweep with a requeued job and a failing one is one run too,
+shared by the test processes (conftest.shared_run).
+
 Without SLURM's packages, or without root to start the cluster, the module skips, unless
 HYDRA_DDP_REQUIRE_SLURM=1 (as CI sets it) makes that a failure; with the packages and root, a cluster
 that doesn't start is an error."""
 
 import csv
-import fcntl
 import json
 import os
 import re
@@ -20,7 +24,8 @@ from pathlib import Path
 
 import pytest
 
-from conftest import DDP_RUN, REPO, TRAIN, assert_same_weights, final_weights, free_port_outside_the_ephemeral_range
+from conftest import (DDP_RUN, REPO, TRAIN, assert_same_weights, final_weights, free_port_outside_the_ephemeral_range,
+                      shared_run)
 
 LOCAL_CLUSTER = REPO / "scripts" / "slurm" / "local-cluster.sh"
 SBATCH_SCRIPT = REPO / "scripts" / "slurm" / "ddp.sbatch"
@@ -32,6 +37,9 @@ SEARCH_PATH = os.pathsep.join([os.environ.get("PATH", ""), "/usr/sbin", "/sbin"]
 # signal sent once training has started arrives before it ends (it took under a second on a loaded
 # 2-core machine).
 SLOWER = ["fault.slow_rank=1", "fault.slow_ms=200"]
+# 1 s longer per step (16 s of training; a sleep, no CPU): a job that resumes part-way still trains
+# for seconds, long enough for a second signal to arrive.
+SLOWEST = ["fault.slow_rank=1", "fault.slow_ms=1000"]
 TRAINING_STARTED = "strategy=ddp world_size=2"  # rank 0's last line before the loop
 
 
@@ -128,43 +136,65 @@ def stop_line(rank0_log: str, signal_name: str) -> tuple[str, int]:
 # --- scripts/slurm/ddp.sbatch -----------------------------------------------------------------------
 
 
-def test_the_sbatch_script_requeues_itself_on_usr1_and_resumes_bit_identically(one_node, tmp_path):
-    """SLURM's warning before the time limit (--signal=B:USR1) reaches the batch script, whose trap
-    requeues the job; SLURM's SIGTERM then reaches every rank, which saves; the requeued job (same id,
-    same run dir) resumes and ends as if never stopped."""
-    run_dir = tmp_path / "run"
-    job_id = sbatch(run_dir, tmp_path, SLOWER)
-    wait_for(log_says("train_rank0.log", TRAINING_STARTED, run_dir), "training", alive=lambda: job_info(job_id)["JobState"] in ACTIVE)
-    subprocess.run(["scancel", "--batch", "--signal=USR1", job_id], check=True)
-    release_requeued(job_id)
-    info = ended(job_id)
+def cancel_then_requeue(cwd: Path) -> dict:
+    """A job cancelled once training has started (scancel: SIGTERM to every rank, which saves); the
+    same sbatch again with the same run dir (the script's resume=auto), warned of its time limit
+    (--signal=B:USR1) once its resumed training has started: the batch script's trap requeues it,
+    SLURM's SIGTERM makes every rank save, and the requeued job resumes and finishes."""
+    run_dir = cwd / "run"
+    rank0_log = run_dir / "train_rank0.log"
+    first = sbatch(run_dir, cwd, SLOWEST)
+    wait_for(log_says("train_rank0.log", TRAINING_STARTED, run_dir), "training", alive=lambda: job_info(first)["JobState"] in ACTIVE)
+    subprocess.run(["scancel", first], check=True)
+    cancelled = ended(first)
+    rank0_when_cancelled, results_when_cancelled = rank0_log.read_text(), (run_dir / "results.json").exists()
 
-    output = (tmp_path / f"slurm-{job_id}.out").read_text()  # both runs (--open-mode=append)
-    assert (info["JobState"], info["ExitCode"], info["Restarts"]) == ("COMPLETED", "0:0", "1"), output[-6000:]
-    assert f"time limit near: requeueing job {job_id}" in output
+    second = sbatch(run_dir, cwd, SLOWEST)
+    wait_for(lambda: rank0_log.read_text().count(TRAINING_STARTED) >= 2, "training of the second job",
+             alive=lambda: job_info(second)["JobState"] in ACTIVE)
+    subprocess.run(["scancel", "--batch", "--signal=USR1", second], check=True)
+    release_requeued(second)
+    return {"first": first, "cancelled": cancelled, "rank0_when_cancelled": rank0_when_cancelled,
+            "results_when_cancelled": results_when_cancelled, "second": second, "finished": ended(second)}
+
+
+@pytest.fixture
+def sbatch_jobs(tmp_path_factory) -> tuple[Path, Path, dict]:
+    """The dir of the jobs' output files, their run dir, and what cancel_then_requeue saw."""
+    cwd, jobs = shared_run("sbatch_jobs", cancel_then_requeue, tmp_path_factory)
+    return cwd, cwd / "run", jobs
+
+
+def test_a_cancelled_job_leaves_a_checkpoint_that_resume_auto_continues(one_node, sbatch_jobs):
+    """scancel: SIGTERM to every rank, which saves; the job is over. Submitted again with the same run
+    dir, the script's resume=auto continues from that checkpoint and ends as if never stopped."""
+    out_dir, run_dir, jobs = sbatch_jobs
+    assert jobs["cancelled"]["JobState"] == "CANCELLED"
+    _, step = stop_line(jobs["rank0_when_cancelled"], "SIGTERM")
+    assert 0 < step < 16 and not jobs["results_when_cancelled"]
+
+    info = jobs["finished"]
+    assert (info["JobState"], info["ExitCode"]) == ("COMPLETED", "0:0"), (out_dir / f"slurm-{jobs['second']}.out").read_text()[-6000:]
     rank0 = (run_dir / "train_rank0.log").read_text()
-    _, step = stop_line(rank0, "SIGTERM")
-    assert 0 < step < 16
     assert f"resumed from {run_dir / 'checkpoints' / 'last.pt'} at epoch {step // 8}, batch {step % 8}, step {step}" in rank0
     assert json.loads((run_dir / "results.json").read_text())["steps"] == 16
     assert_same_weights(final_weights(run_dir), one_node)
 
 
-def test_a_cancelled_job_leaves_a_checkpoint_that_resume_auto_continues(one_node, tmp_path):
-    """scancel: SIGTERM to every rank, which saves; the job is over. Submitted again with the same run
-    dir, the script's resume=auto continues from that checkpoint and ends as if never stopped."""
-    run_dir = tmp_path / "run"
-    first = sbatch(run_dir, tmp_path, SLOWER)
-    wait_for(log_says("train_rank0.log", TRAINING_STARTED, run_dir), "training", alive=lambda: job_info(first)["JobState"] in ACTIVE)
-    subprocess.run(["scancel", first], check=True)
-    assert ended(first)["JobState"] == "CANCELLED"
-    _, step = stop_line((run_dir / "train_rank0.log").read_text(), "SIGTERM")
-    assert 0 < step < 16 and not (run_dir / "results.json").exists()
-
-    second = sbatch(run_dir, tmp_path, SLOWER)
-    info = ended(second)
-    assert (info["JobState"], info["ExitCode"]) == ("COMPLETED", "0:0"), (tmp_path / f"slurm-{second}.out").read_text()[-6000:]
+def test_the_sbatch_script_requeues_itself_on_usr1_and_resumes_bit_identically(one_node, sbatch_jobs):
+    """SLURM's warning before the time limit (--signal=B:USR1) reaches the batch script, whose trap
+    requeues the job; SLURM's SIGTERM then reaches every rank, which saves; the requeued job (same id,
+    same run dir) resumes and ends as if never stopped. (The job itself resumed the cancelled one's
+    checkpoint: its own stop comes later.)"""
+    out_dir, run_dir, jobs = sbatch_jobs
+    job_id, info = jobs["second"], jobs["finished"]
+    output = (out_dir / f"slurm-{job_id}.out").read_text()  # both runs (--open-mode=append)
+    assert (info["JobState"], info["ExitCode"], info["Restarts"]) == ("COMPLETED", "0:0", "1"), output[-6000:]
+    assert f"time limit near: requeueing job {job_id}" in output
     rank0 = (run_dir / "train_rank0.log").read_text()
+    _, cancelled_at = stop_line(jobs["rank0_when_cancelled"], "SIGTERM")
+    _, step = stop_line(rank0.removeprefix(jobs["rank0_when_cancelled"]), "SIGTERM")
+    assert cancelled_at < step < 16
     assert f"resumed from {run_dir / 'checkpoints' / 'last.pt'} at epoch {step // 8}, batch {step % 8}, step {step}" in rank0
     assert json.loads((run_dir / "results.json").read_text())["steps"] == 16
     assert_same_weights(final_weights(run_dir), one_node)
@@ -178,23 +208,6 @@ SLURM_LAUNCHER = ["-m", "hydra/launcher=slurm", "hydra.launcher.gpus_per_node=0"
 # Job 0 trains DDP_RUN; job 1 has a bad override.
 SWEEP = [arg for arg in DDP_RUN if not arg.startswith("data.batch_size=")] + ["data.batch_size=8,0"]
 BAD_BATCH = "error: data.batch_size=0: must be > 0 (it is per process), e.g. data.batch_size=32"
-
-
-def shared(name: str, produce, tmp_path_factory) -> tuple[Path, dict]:
-    """produce(dir) once for all test processes (pytest-xdist workers), in a dir they share: the
-    first to get here runs it, the others wait for it. Returns the dir and produce's result (JSON)."""
-    base = tmp_path_factory.getbasetemp()
-    if os.environ.get("PYTEST_XDIST_WORKER"):
-        base = base.parent  # the workers' common parent
-    cwd, result_file = base / name, base / f"{name}.json"
-    with open(base / f"{name}.lock", "w") as lock:
-        fcntl.flock(lock, fcntl.LOCK_EX)
-        if not result_file.exists():
-            if cwd.exists():
-                pytest.fail(f"{name} failed in an earlier test: see its error")
-            cwd.mkdir()
-            result_file.write_text(json.dumps(produce(cwd)))
-    return cwd, json.loads(result_file.read_text())
 
 
 def run_sweep_with_a_requeue(cwd: Path) -> dict:
@@ -218,7 +231,7 @@ def run_sweep_with_a_requeue(cwd: Path) -> dict:
 @pytest.fixture
 def slurm_sweep(tmp_path_factory) -> tuple[Path, dict]:
     """The sweep dir, and what run_sweep_with_a_requeue saw."""
-    cwd, run = shared("slurm_sweep", run_sweep_with_a_requeue, tmp_path_factory)
+    cwd, run = shared_run("slurm_sweep", run_sweep_with_a_requeue, tmp_path_factory)
     (sweep_dir,) = (cwd / "outputs" / "multirun").iterdir()
     return sweep_dir, run
 

@@ -1,10 +1,20 @@
 """Hydra multiruns (`-m`) with real processes (CPU, gloo): plain, self-launched DDP, under torchrun,
-with failing jobs, and an Optuna search; the sweep dir layout and its summary.csv / summary.md."""
+with failing jobs, and an Optuna search; the sweep dir layout and its summary.csv / summary.md.
+
+Every launch costs seconds of start-up, so runs that several tests read are fixtures shared by the
+test processes (conftest.shared_run):
+- one Optuna search over self-launched DDP trials, minimising val_loss, stands for the sweep of
+  self-launched DDP (its jobs' dirs, logs, global batch and summary), for Optuna over DDP trials, and
+  for Optuna taking the task's objective and direction (main's return is the same with one process:
+  tests/test_segmentation_runs.py runs an Optuna search in one process);
+- one plain multirun holds a job with a bad override, jobs that fail in training, and a job that
+  ends well: the failed jobs' summary rows and what a failed job leaves behind."""
 
 import csv
 import json
 import re
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 import yaml
@@ -12,7 +22,7 @@ from tensorboard.backend.event_processing.event_accumulator import EventAccumula
 from tensorboard.backend.event_processing.event_multiplexer import EventMultiplexer
 from tensorboard.plugins.hparams import plugin_data_pb2
 
-from conftest import check, job_numbers, launch, run_dirs
+from conftest import as_json, check, job_numbers, launch, run_dirs, shared_run
 from conftest import job_dir as job_dir_in
 
 # One epoch of a narrow small_cnn on 128 tiny synthetic images: each job costs process start-up only.
@@ -26,8 +36,10 @@ SMALL = [
 ]
 BATCH_SIZES = (16, 32)
 SWEEP_BATCH = f"data.batch_size={','.join(map(str, BATCH_SIZES))}"
-# results.json keys that summary.csv copies, exactly (csv writes floats with repr).
+# results.json keys that summary.csv copies, exactly (csv writes floats with repr), with the default
+# objective (val_accuracy); with task.objective=val_loss, that is among them already.
 SUMMARY_METRICS = ("world_size", "global_batch_size", "val_loss", "val_accuracy", "samples_per_s", "wall_s")
+VAL_LOSS_SUMMARY_METRICS = ("world_size", "global_batch_size", "val_loss", "samples_per_s", "wall_s")
 OPTUNA_REFUSAL = (
     "error: hparams_search=optuna under torchrun would run a separate study on every rank: run "
     "`python train.py -m hparams_search=optuna strategy=ddp strategy.nproc_per_node=N` instead"
@@ -78,17 +90,23 @@ def rank_log_line(job_dir: Path, rank: int) -> dict:
             "global_batch": int(global_batch), "lr": float(lr)}
 
 
-def assert_summary_matches_jobs(sweep_dir: Path, world_size: int) -> list[dict]:
+def swept_batch_sizes(rows: list[dict]) -> list[int]:
+    """Each row's data.batch_size, as its overrides set it (an Optuna search samples them)."""
+    return [int(dict(item.split("=", 1) for item in row["overrides"].split())["data.batch_size"]) for row in rows]
+
+
+def assert_summary_matches_jobs(sweep_dir: Path, world_size: int, batch_sizes=BATCH_SIZES,
+                                metrics=SUMMARY_METRICS) -> list[dict]:
     """One ok row per job, its batch sizes as swept, its metrics those of the job's results.json."""
     rows = summary_rows(sweep_dir)
     assert [row["job"] for row in rows] == ["0", "1"]
-    for row, batch_size, job_dir in zip(rows, BATCH_SIZES, job_dirs(sweep_dir), strict=True):
+    for row, batch_size, job_dir in zip(rows, batch_sizes, job_dirs(sweep_dir), strict=True):
         assert row["status"] == "ok", row
         assert f"data.batch_size={batch_size}" in row["overrides"].split()
         assert (int(row["world_size"]), int(row["batch_size"]), int(row["global_batch_size"])) == (
             world_size, batch_size, world_size * batch_size)
         results = results_of(job_dir)
-        for key in SUMMARY_METRICS:
+        for key in metrics:
             expected = results[key]
             assert (row[key] == "" if expected is None else float(row[key]) == expected), (key, row[key], expected)
     assert sum(row["best"] == "True" for row in rows) == 1
@@ -113,12 +131,16 @@ def assert_one_run_per_job_dir(cwd: Path, sweep_dir: Path, log_names: set[str]) 
 
 # --- 1. plain multirun -------------------------------------------------------------------------
 
-@pytest.fixture(scope="module")
-def single_sweep(tmp_path_factory):
-    cwd = tmp_path_factory.mktemp("single_sweep")
+def run_single_sweep(cwd: Path) -> dict:
     result = launch(["-m", "strategy=single", *SMALL, SWEEP_BATCH], cwd)
     check(result)
-    return cwd, the_sweep_dir(cwd), result
+    return as_json(result)
+
+
+@pytest.fixture
+def single_sweep(tmp_path_factory):
+    cwd, result = shared_run("single_sweep", run_single_sweep, tmp_path_factory)
+    return cwd, the_sweep_dir(cwd), SimpleNamespace(**result)
 
 
 def test_single_sweep_has_a_job_dir_per_job_and_a_summary_row_per_job(single_sweep):
@@ -154,15 +176,29 @@ def test_tensorboard_names_each_sweep_run_after_its_swept_values(single_sweep):
     assert set(runs) == {f"{job}_data.batch_size={batch_size}" for job, batch_size in enumerate(BATCH_SIZES)}
 
 
-# --- 2. multirun of self-launched DDP ----------------------------------------------------------
+# --- 2. an Optuna search over self-launched DDP trials ---------------------------------------
 
-def test_self_launched_ddp_sweep_one_run_per_job_with_the_global_batch(tmp_path):
-    result = launch(["-m", "strategy=ddp", "strategy.nproc_per_node=2", *SMALL, SWEEP_BATCH], tmp_path)
+def run_ddp_optuna_search(cwd: Path) -> dict:
+    """2 trials of self-launched DDP on 2 processes, minimising val_loss (not the default objective,
+    nor its direction)."""
+    result = launch(["-m", "hparams_search=optuna", "hydra.sweeper.n_trials=2", "strategy=ddp", "strategy.nproc_per_node=2",
+                     "task.objective=val_loss", "task.direction=minimize", *SMALL], cwd, timeout=360)
     check(result)
-    sweep_dir = the_sweep_dir(tmp_path)
-    assert_summary_matches_jobs(sweep_dir, world_size=2)
-    assert_one_run_per_job_dir(tmp_path, sweep_dir, {"train_launcher.log", "train_rank0.log", "train_rank1.log"})
-    for job_dir, batch_size in zip(job_dirs(sweep_dir), BATCH_SIZES, strict=True):
+    return as_json(result)
+
+
+@pytest.fixture
+def ddp_optuna_search(tmp_path_factory):
+    cwd, result = shared_run("ddp_optuna_search", run_ddp_optuna_search, tmp_path_factory)
+    return cwd, the_sweep_dir(cwd), SimpleNamespace(**result)
+
+
+def test_self_launched_ddp_sweep_one_run_per_job_with_the_global_batch(ddp_optuna_search):
+    cwd, sweep_dir, result = ddp_optuna_search
+    batch_sizes = swept_batch_sizes(summary_rows(sweep_dir))
+    assert_summary_matches_jobs(sweep_dir, world_size=2, batch_sizes=batch_sizes, metrics=VAL_LOSS_SUMMARY_METRICS)
+    assert_one_run_per_job_dir(cwd, sweep_dir, {"train_launcher.log", "train_rank0.log", "train_rank1.log"})
+    for job_dir, batch_size in zip(job_dirs(sweep_dir), batch_sizes, strict=True):
         hparams = session_hparams(job_dir)
         assert (hparams["world_size"], hparams["global_batch_size"]) == (2, 2 * batch_size)
         assert "starting 2 DDP workers" in (job_dir / "train_launcher.log").read_text()
@@ -205,51 +241,65 @@ def test_torchrun_sweep_stops_fast_when_a_job_fails_on_one_rank(tmp_path):
     assert "sweep summary (" in result.stdout  # printed although the sweep failed
 
 
-# --- 5. a failing job in a plain multirun ------------------------------------------------------
+# --- 5. failing jobs in a plain multirun -------------------------------------------------------
 
-def test_plain_sweep_runs_the_other_jobs_and_reports_the_failed_one(tmp_path):
-    result = launch(["-m", "strategy=single", *SMALL, "data.batch_size=0,16"], tmp_path)
+def run_failing_sweep(cwd: Path) -> dict:
+    """8 jobs in one process, each recorded by tests/workers/leak_probe.py at its start and end. Jobs
+    0-3 have a bad override (data.batch_size=0); of jobs 4-7, job 4 diverges (optim.lr=1e6), jobs 5
+    and 7 fail with an unexpected error at step 2 (fault.raise_rank), and job 6 ends well. Two
+    DataLoader workers, which a failed job must not leave behind."""
+    probe = cwd / "probe.jsonl"
+    result = launch(["-m", "strategy=single", *SMALL, "data.num_workers=2", "data.batch_size=0,16", "optim.lr=1e6,0.05",
+                     "fault.raise_rank=-1,0", "fault.at_step=2",
+                     "+hydra.callbacks.leak_probe._target_=tests.workers.leak_probe.LeakProbe",
+                     f"+hydra.callbacks.leak_probe.path={probe}"], cwd)
+    return as_json(result)
+
+
+@pytest.fixture
+def failing_sweep(tmp_path_factory):
+    cwd, result = shared_run("failing_sweep", run_failing_sweep, tmp_path_factory)
+    return cwd, the_sweep_dir(cwd), SimpleNamespace(**result)
+
+
+def test_plain_sweep_runs_the_other_jobs_and_reports_the_failed_one(failing_sweep):
+    _, sweep_dir, result = failing_sweep
     text = output(result)
     assert result.returncode != 0, text[-4000:]
     assert "data.batch_size=0: must be > 0" in text
-    sweep_dir = the_sweep_dir(tmp_path)
-    failed, ok = summary_rows(sweep_dir)
+    rows = summary_rows(sweep_dir)
+    failed, ok = rows[0], rows[6]
     assert failed["job"] == "0" and "data.batch_size=0" in failed["overrides"].split()
     assert failed["status"].startswith("failed:") and "data.batch_size" in failed["status"], failed
     assert failed["val_accuracy"] == "" and failed["best"] == "False"
-    assert ok["job"] == "1" and "data.batch_size=16" in ok["overrides"].split()
+    assert ok["job"] == "6" and "data.batch_size=16" in ok["overrides"].split()
     assert ok["status"] == "ok" and ok["best"] == "True"
-    assert float(ok["val_accuracy"]) == results_of(job_dir_in(sweep_dir, 1))["val_accuracy"]
+    assert float(ok["val_accuracy"]) == results_of(job_dir_in(sweep_dir, 6))["val_accuracy"]
     assert not (job_dir_in(sweep_dir, 0) / "results.json").exists()
     assert "sweep summary (" in result.stdout  # printed although Hydra ends the sweep with an error
 
 
-def test_a_failed_job_leaves_nothing_behind_for_the_next_jobs(tmp_path):
+def test_a_failed_job_leaves_nothing_behind_for_the_next_jobs(failing_sweep):
     """Jobs of a plain multirun share one process. After each job, failed or not, none of its modules
     or tensors is reachable, its DataLoader workers are gone and its TensorBoard writer is closed
-    (tests/workers/leak_probe.py counts them at every job's start and end). Job 0 diverges, jobs 1
-    and 3 fail with an unexpected error at step 2 (fault.raise_rank), job 2 ends well."""
-    probe = tmp_path / "probe.jsonl"
-    result = launch(["-m", "strategy=single", *SMALL, "data.batch_size=16", "data.num_workers=2", "optim.lr=1e6,0.05",
-                     "fault.raise_rank=-1,0", "fault.at_step=2",
-                     "+hydra.callbacks.leak_probe._target_=tests.workers.leak_probe.LeakProbe",
-                     f"+hydra.callbacks.leak_probe.path={probe}"], tmp_path)
+    (tests/workers/leak_probe.py counts them at every job's start and end). Jobs 0-3 stop at their
+    bad override; job 4 diverges, jobs 5 and 7 fail with an unexpected error at step 2
+    (fault.raise_rank), job 6 ends well."""
+    cwd, sweep_dir, result = failing_sweep
     assert result.returncode != 0, output(result)[-4000:]
-    statuses = [row["status"].split(":")[:2] for row in summary_rows(the_sweep_dir(tmp_path))]
-    assert statuses == [["failed", " Diverged"], ["failed", " RuntimeError"], ["ok"], ["failed", " RuntimeError"]], statuses
-    records = [json.loads(line) for line in probe.read_text().splitlines()]
-    assert [(r["job"], r["when"]) for r in records] == [(job, when) for job in range(4) for when in ("start", "end")]
+    statuses = [row["status"].split(":")[:2] for row in summary_rows(sweep_dir)]
+    assert statuses == [["failed", " ConfigError"]] * 4 + [
+        ["failed", " Diverged"], ["failed", " RuntimeError"], ["ok"], ["failed", " RuntimeError"]], statuses
+    records = [json.loads(line) for line in (cwd / "probe.jsonl").read_text().splitlines()]
+    assert [(r["job"], r["when"]) for r in records] == [(job, when) for job in range(8) for when in ("start", "end")]
     for record in records:
         assert record | {"modules": 0, "tensors": 0, "loader_workers": 0, "open_event_writers": 0} == record, record
 
 
-# --- 6. Optuna search over self-launched DDP ---------------------------------------------------
+# --- 6. Optuna over self-launched DDP trials (the search of section 2) ---------------------------
 
-def test_optuna_search_over_ddp_trials_every_rank_trains_the_sampled_values(tmp_path):
-    result = launch(["-m", "hparams_search=optuna", "hydra.sweeper.n_trials=2", "strategy=ddp",
-                     "strategy.nproc_per_node=2", *SMALL], tmp_path)
-    check(result)
-    sweep_dir = the_sweep_dir(tmp_path)
+def test_optuna_search_over_ddp_trials_every_rank_trains_the_sampled_values(ddp_optuna_search):
+    _, sweep_dir, result = ddp_optuna_search
     rows = summary_rows(sweep_dir)
     assert [row["job"] for row in rows] == ["0", "1"]
     assert job_numbers(sweep_dir) == [0, 1]
@@ -262,23 +312,20 @@ def test_optuna_search_over_ddp_trials_every_rank_trains_the_sampled_values(tmp_
         assert rank0["batch_size"] == int(sampled["data.batch_size"]) == int(row["batch_size"])
         assert rank0["global_batch"] == 2 * rank0["batch_size"] == int(row["global_batch_size"])
         assert rank0["lr"] == pytest.approx(float(sampled["optim.lr"]), rel=1e-5)  # logged with %g
-        assert float(row["val_accuracy"]) == results_of(job_dir)["val_accuracy"]
+        assert float(row["val_loss"]) == results_of(job_dir)["val_loss"]
 
     (best,) = [row for row in rows if row["best"] == "True"]
-    assert float(best["val_accuracy"]) == max(float(row["val_accuracy"]) for row in rows)
+    assert float(best["val_loss"]) == min(float(row["val_loss"]) for row in rows)  # the search minimises it
     best_line = f"best: job {best['job']} ("
     assert best_line in (sweep_dir / "summary.md").read_text() and best_line in result.stdout
     optuna_results = yaml.safe_load((sweep_dir / "optimization_results.yaml").read_text())
-    assert optuna_results["best_value"] == pytest.approx(float(best["val_accuracy"]), rel=1e-12)
+    assert optuna_results["best_value"] == pytest.approx(float(best["val_loss"]), rel=1e-12)
 
 
-def test_optuna_optimises_the_tasks_objective_in_its_direction(tmp_path):
+def test_optuna_optimises_the_tasks_objective_in_its_direction(ddp_optuna_search):
     """main returns results[task.objective], and the sweeper takes task.direction: minimising val_loss,
     Optuna's best is the trial with the lowest val_loss (with the defaults it would be an accuracy, and the highest)."""
-    result = launch(["-m", "hparams_search=optuna", "hydra.sweeper.n_trials=2", "task.objective=val_loss",
-                     "task.direction=minimize", *SMALL], tmp_path)
-    check(result)
-    sweep_dir = the_sweep_dir(tmp_path)
+    _, sweep_dir, _ = ddp_optuna_search
     val_losses = [results_of(job_dir)["val_loss"] for job_dir in job_dirs(sweep_dir)]
     assert len(val_losses) == 2 and val_losses[0] != val_losses[1], val_losses
     optuna_results = yaml.safe_load((sweep_dir / "optimization_results.yaml").read_text())
@@ -288,8 +335,9 @@ def test_optuna_optimises_the_tasks_objective_in_its_direction(tmp_path):
 # --- 7. Optuna under torchrun ------------------------------------------------------------------
 
 def test_optuna_under_torchrun_is_refused_before_training(tmp_path):
+    """One rank is enough: the refusal is for any process that torchrun started (every rank says it)."""
     result = launch(["-m", "hparams_search=optuna", "hydra.sweeper.n_trials=2", "strategy=ddp", *SMALL],
-                    tmp_path, nproc=2, timeout=120)
+                    tmp_path, nproc=1, timeout=120)
     assert result.returncode != 0
     assert OPTUNA_REFUSAL in result.stderr, output(result)[-4000:]
     assert not (tmp_path / "outputs" / "multirun").exists()  # refused before the sweep started
