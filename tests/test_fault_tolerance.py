@@ -33,9 +33,10 @@ import pytest
 import torch
 from torch.utils.data import DistributedSampler
 
+from conftest import EXACT_DATA as DATA
 from conftest import EXACT_DDP as EXACT
 from conftest import EXACT_SINGLE as EXTEND
-from conftest import EXACT_SINGLE_STEPS, REPO, TINY, TORCHRUN, TRAIN, check, launch, run_dirs, shared, sigterm_when
+from conftest import EXACT_SINGLE_STEPS, REPO, TORCHRUN, TRAIN, check, launch, run_dirs, shared, sigterm_when
 from ids_and_noise import IdsAndNoise
 from ddp.checkpoint import CheckpointError, load_checkpoint, save_checkpoint, save_step_checkpoint
 from ddp.env import DistEnv
@@ -47,8 +48,7 @@ from models.small_cnn import SmallCNN
 RESTARTABLE = {"TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1"}
 
 # EXACT (tests/conftest.py): dropout (global RNG, per rank), random augmentation in 2 DataLoader
-# workers and a shuffled sampler, 2 ranks x 8 batches x 2 epochs = 16 steps. DATA: the same without workers.
-DATA = [*TINY, "model.dropout=0.3", "data.augment=true"]
+# workers and a shuffled sampler, 2 ranks x 8 batches x 2 epochs = 16 steps. DATA: its data and model.
 # For the runs whose property doesn't need loader workers (each rank's worker server costs a start-up).
 EXACT_NO_WORKERS = [arg for arg in EXACT if not arg.startswith("data.num_workers=")] + ["data.num_workers=0"]
 # One process, for the runs that must stop before training: no torchrun start-up to pay for.
@@ -552,7 +552,7 @@ def test_resume_from_a_missing_path_starts_nothing(tmp_path):
 
 # 13 --------------------------------------------------------------------------------------------
 # EXTEND (tests/conftest.py): one process, 16 steps per epoch (128 samples, batch 8), dropout,
-# augmentation in 2 workers.
+# augmentation in the main process.
 
 
 @pytest.fixture(scope="module")
@@ -573,33 +573,17 @@ def test_a_max_steps_stop_mid_epoch_records_where_it_stopped(stopped_at_step_5):
 
 
 def test_extending_a_max_steps_run_is_bit_identical_to_running_that_long(stopped_at_step_5, exact_single_reference, tmp_path):
-    """Train 5 steps, look, then resume the run dir with a larger max_steps, across an epoch boundary:
-    the same as 20 steps straight (exact_single_reference). (An extension that ends within the epoch:
-    the last test.)"""
+    """Train 5 steps, look, then resume the run dir with a larger max_steps, twice: to step 10, within
+    the epoch, then to step 20, across an epoch boundary: the same as 20 steps straight
+    (exact_single_reference). Without loader workers the augmentation draws from the global RNG as
+    each batch loads: a run stopped by max_steps must load no batch past its last update, or its
+    checkpoint holds the RNG after a draw that the run never trained on, and the extended run draws
+    differently (and so does every later step, up to the end compared here).
+    2 ranks with loader workers: a max_steps stop mid-epoch, extended to the end, in the SIGTERM test (#11)."""
     extended = tmp_path / "extended" / "run"
     shutil.copytree(stopped_at_step_5, extended)
-    result = launch([*EXTEND, f"trainer.max_steps={EXACT_SINGLE_STEPS}", f"resume={extended}"], tmp_path / "extended")
-    check(result)
-    assert "at epoch 0, batch 5, step 5" in result.stdout, output(result)
+    for start, steps in ((5, 10), (10, EXACT_SINGLE_STEPS)):
+        result = launch([*EXTEND, f"trainer.max_steps={steps}", f"resume={extended}"], tmp_path / "extended")
+        check(result)
+        assert f"at epoch 0, batch {start}, step {start}" in result.stdout, output(result)
     assert_bit_identical(last_checkpoint(extended), exact_single_reference[1])
-
-
-# 2 ranks: a max_steps stop mid-epoch, extended to the full 2 epochs, is the uninterrupted reference:
-# the SIGTERM test above (#11) ends that way.
-
-
-def test_extending_a_max_steps_run_is_bit_identical_with_augmentation_in_the_main_process(tmp_path):
-    """Without loader workers the augmentation draws from the global RNG as each batch loads: the
-    run stopped by max_steps must load no batch past its last update, or its checkpoint holds the RNG
-    after a draw that the run never trained on, and the extended run draws differently."""
-    args = [arg for arg in EXTEND if not arg.startswith("data.num_workers=")] + ["data.num_workers=0"]
-    extended = tmp_path / "extended"
-    extended.mkdir()
-    check(launch([*args, "trainer.max_steps=5", "hydra.run.dir=outputs/run"], extended))
-    result = launch([*args, "trainer.max_steps=10", "hydra.run.dir=outputs/run", "resume=outputs/run"], extended)
-    check(result)
-    assert "at epoch 0, batch 5, step 5" in result.stdout, output(result)
-    straight = tmp_path / "straight"
-    straight.mkdir()
-    check(launch([*args, "trainer.max_steps=10"], straight))
-    assert_bit_identical(last_checkpoint(extended / "outputs" / "run"), last_checkpoint(the_run_dir(straight)))

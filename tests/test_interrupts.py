@@ -23,7 +23,8 @@ from test_fault_tolerance import _clean_env, assert_bit_identical, last_checkpoi
 # something to get wrong); a resumed run is bounded by trainer.max_steps instead. The training of
 # tests/conftest.py's exact references (EXACT_DATA, no LR schedule): a resumed run bounded at a
 # reference's last step ends bit-identical to it.
-LONG = [*EXACT_DATA, "trainer.max_epochs=100000", "checkpoint.every_n_steps=5"]
+WORKERS = ["data.num_workers=2"]
+LONG = [*EXACT_DATA, *WORKERS, "trainer.max_epochs=100000", "checkpoint.every_n_steps=5"]
 LAUNCHERS = {
     "python": [sys.executable, str(TRAIN), "strategy=single"],
     "self_launched_ddp": [sys.executable, str(TRAIN), "strategy=ddp", "strategy.nproc_per_node=2"],
@@ -70,20 +71,21 @@ def finish(process: subprocess.Popen, cwd) -> tuple[int, str, str]:
     return returncode, (cwd / "stdout.txt").read_text(), (cwd / "stderr.txt").read_text()
 
 
-# Per launcher: the step to finish at, the reference run of that many steps (tests/conftest.py), and
-# the rank slowed down. Every training forward of that rank takes SLOW_MS longer (fault.slow_rank, a
-# sleep: it changes no number, and the resumed run goes without it), so the Ctrl-C, right after the
-# step-5 checkpoint, comes many seconds before the last step.
-FINISH = {"python": (EXACT_SINGLE_STEPS, "exact_single_reference", 0),
-          "self_launched_ddp": (16, "exact_ddp_reference", 1),
-          "torchrun": (16, "exact_ddp_reference", 1)}
+# Per launcher: its run's config, the step to finish at and the reference run of that many steps
+# (tests/conftest.py), and the rank slowed down. Every training forward of that rank takes SLOW_MS
+# longer (fault.slow_rank, a sleep: it changes no number, and the resumed run goes without it), so the
+# Ctrl-C, right after the step-5 checkpoint, comes many seconds before the last step. One process
+# augments in the main process, as its reference does (loader workers under Ctrl-C: the DDP launchers).
+FINISH = {"python": ([arg for arg in LONG if arg not in WORKERS], EXACT_SINGLE_STEPS, "exact_single_reference", 0),
+          "self_launched_ddp": (LONG, 16, "exact_ddp_reference", 1),
+          "torchrun": (LONG, 16, "exact_ddp_reference", 1)}
 SLOW_MS = 500
 
 
 @pytest.mark.parametrize("launcher", LAUNCHERS)
 def test_ctrl_c_saves_at_the_next_step_and_the_printed_command_finishes_bit_identically(launcher, tmp_path, request):
-    last_step, reference_fixture, slow_rank = FINISH[launcher]
-    command = [*LAUNCHERS[launcher], *LONG, f"fault.slow_rank={slow_rank}", f"fault.slow_ms={SLOW_MS}"]
+    config, last_step, reference_fixture, slow_rank = FINISH[launcher]
+    command = [*LAUNCHERS[launcher], *config, f"fault.slow_rank={slow_rank}", f"fault.slow_ms={SLOW_MS}"]
     process = start(command, tmp_path)
     wait_for_training(process, tmp_path)
     ctrl_c(process)
@@ -156,7 +158,7 @@ def test_a_second_ctrl_c_exits_at_once_and_the_saved_checkpoint_still_loads(tmp_
 
 def test_ctrl_c_in_a_sweep_marks_the_job_interrupted_and_starts_no_other(tmp_path):
     # No loader workers: what the sweep does with the interrupted job doesn't depend on them (the first test's do).
-    without_workers = [arg for arg in LONG if not arg.startswith("data.num_workers=")]
+    without_workers = [arg for arg in LONG if arg not in WORKERS]
     process = start([sys.executable, str(TRAIN), "-m", "strategy=single", *without_workers, "data.batch_size=8,16"], tmp_path)
     wait_for_training(process, tmp_path)
     ctrl_c(process)
