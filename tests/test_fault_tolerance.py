@@ -134,16 +134,12 @@ def reference(exact_ddp_reference):
 # (Determinism, once a run of its own: the module docstring says why every resume test covers it.)
 
 @pytest.fixture(scope="module")
-def killed_and_resumed(tmp_path_factory):
+def killed_and_resumed(killed_and_restarted):
     """SIGKILL on rank 1 at step 7 (after the step-5 checkpoint), one restart allowed: (run dir, its
-    console output). Run once for all test processes (conftest.shared)."""
-    def produce(cwd: Path) -> str:
-        result = torchrun([*EXACT, "fault.kill_rank=1", "fault.at_step=7"], cwd, max_restarts=1)
-        check(result)
-        return result.stdout
-
-    cwd, stdout = shared("fault_tolerance_killed_and_resumed", produce, tmp_path_factory)
-    return the_run_dir(cwd), stdout  # the run dir survived the restart: one dir, not one per attempt
+    console output). Before the restart another launch runs in the same working dir (the run is
+    tests/conftest.py's, which tests/test_run_dirs.py reads too): the run dir survives the restart
+    all the same, one dir, not one per attempt."""
+    return killed_and_restarted
 
 
 def test_killed_rank_is_restarted_and_ends_bit_identical(reference, killed_and_resumed):
