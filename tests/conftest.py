@@ -252,12 +252,14 @@ def as_json(result: subprocess.CompletedProcess) -> dict:
 # don't change the training (no LR schedule here), so runs that differ only there compare to the same one.
 
 # Randomness everywhere a resume could get it wrong: dropout (global RNG, per rank), random
-# augmentation in 2 DataLoader workers, and a shuffled sampler.
-EXACT_DATA = [*TINY, "model.dropout=0.3", "data.augment=true", "data.num_workers=2"]
-# 2 ranks x 8 batches x 2 epochs = 16 steps.
-EXACT_DDP = ["strategy=ddp", *EXACT_DATA, "trainer.max_epochs=2", "trainer.log_every_n_steps=1", "checkpoint.every_n_steps=5"]
-# One process, 16 steps per epoch (128 samples, batch 8); its reference stops 4 steps into the second epoch.
-EXACT_SINGLE = ["strategy=single", *EXACT_DATA, "trainer.max_epochs=3"]
+# augmentation, and a shuffled sampler.
+EXACT_DATA = [*TINY, "model.dropout=0.3", "data.augment=true"]
+# 2 ranks x 8 batches x 2 epochs = 16 steps, augmentation in 2 DataLoader workers per rank.
+EXACT_DDP = ["strategy=ddp", *EXACT_DATA, "data.num_workers=2", "trainer.max_epochs=2", "trainer.log_every_n_steps=1",
+             "checkpoint.every_n_steps=5"]
+# One process, 16 steps per epoch (128 samples, batch 8), augmentation in the main process (it draws
+# from the global RNG as each batch loads); its reference stops 4 steps into the second epoch.
+EXACT_SINGLE = ["strategy=single", *EXACT_DATA, "data.num_workers=0", "trainer.max_epochs=3"]
 EXACT_SINGLE_STEPS = 20
 
 
@@ -280,3 +282,63 @@ def exact_single_reference(tmp_path_factory):
     checkpoint = torch.load(run_dir / "checkpoints" / "last.pt", weights_only=True)
     assert checkpoint["global_step"] == EXACT_SINGLE_STEPS
     return run_dir, checkpoint
+
+
+def _restartable_env() -> dict:
+    """As `launch` gives its processes: no rank variables of this process, unbuffered, file claims."""
+    clean = {k: v for k, v in os.environ.items() if k not in ("RANK", "LOCAL_RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")}
+    return clean | {"PYTHONUNBUFFERED": "1", "TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1"}
+
+
+def _kill_and_restart_past_a_pruning_launch(cwd: Path) -> dict:
+    """EXACT_DDP under torchrun --max-restarts=1; rank 1 is killed at step 7, after the step-5 checkpoint.
+    torchrun's agent is held (SIGSTOP) once it has claimed the run dir (a file claim: no shared store,
+    as for gloo restarts). When rank 0 has died too (of its lost peer), the lock is free, and before the
+    restart a plain launch in the same working dir prunes the claims it can prove dead, this one made
+    to look two days old: its agent lives, so it must stay. Then the agent goes on (SIGCONT) and
+    restarts both ranks, which resume from the step-5 checkpoint in their own run dir.
+    Returns that run dir (relative to `cwd`) and torchrun's stdout."""
+    from ddp.dir_lock import lock_holder
+
+    command = [str(TORCHRUN), "--nproc_per_node=2", "--max-restarts=1", str(TRAIN), *EXACT_DDP, "fault.kill_rank=1",
+               "fault.at_step=7"]
+    with open(cwd / "torchrun.out", "w") as stdout, open(cwd / "torchrun.err", "w") as stderr:
+        agent = subprocess.Popen(command, cwd=cwd, env=_restartable_env(), stdout=stdout, stderr=stderr)
+
+    def output() -> str:
+        return (cwd / "torchrun.out").read_text()[-3000:] + (cwd / "torchrun.err").read_text()[-5000:]
+
+    try:
+        deadline = time.monotonic() + 180
+        while not (claims := list(cwd.glob("outputs/.launches/*/run_dir"))):
+            assert agent.poll() is None and time.monotonic() < deadline, output()
+            time.sleep(0.02)
+        agent.send_signal(signal.SIGSTOP)  # no restart until SIGCONT
+        (claim,) = claims
+        while not (claimed := claim.read_text()):
+            assert time.monotonic() < deadline, "the claim stayed empty"
+            time.sleep(0.02)
+        run_dir = cwd / claimed
+        while not ((run_dir / "checkpoints" / "step-00000005.pt").exists() and lock_holder(run_dir) is None):
+            assert time.monotonic() < deadline, f"rank 0 did not save and end\n{output()}"
+            time.sleep(0.02)
+        two_days_ago = time.time() - 2 * 24 * 3600
+        os.utime(claim.parent, (two_days_ago, two_days_ago))
+        check(launch([*TINY, "trainer.max_steps=1"], cwd))  # prunes dead claims
+        agent.send_signal(signal.SIGCONT)
+        assert agent.wait(timeout=300) == 0, output()
+    finally:
+        if agent.poll() is None:
+            agent.send_signal(signal.SIGCONT)
+            agent.kill()
+            agent.wait()
+    return {"run_dir": claimed, "stdout": (cwd / "torchrun.out").read_text()}  # the claim is gone with its launch
+
+
+@pytest.fixture(scope="session")
+def killed_and_restarted(tmp_path_factory):
+    """_kill_and_restart_past_a_pruning_launch, once: (its run dir, torchrun's stdout). Read by
+    tests/test_fault_tolerance.py (the restart ends bit-identical) and tests/test_run_dirs.py (the
+    restart keeps its dir while the other launch prunes claims)."""
+    cwd, result = shared_run("killed_and_restarted", _kill_and_restart_past_a_pruning_launch, tmp_path_factory)
+    return cwd / result["run_dir"], result["stdout"]

@@ -9,8 +9,8 @@ uninterrupted reference run (`assert_bit_identical`; the references are tests/co
 Determinism (the same config twice gives the same run) has no run of its own: every resumed run
 below trained its first steps afresh, in a process of its own, and continued from a checkpoint
 that those fresh steps wrote, with the same code that a fresh run trains with; so it ends
-bit-identical to the reference only if the fresh steps were (the killed, the corrupted-checkpoint,
-the SIGTERM and the max_steps chains, 2 ranks; the max_steps extensions, 1 process).
+bit-identical to the reference only if the fresh steps were (the killed and the corrupted-checkpoint
+runs, 2 ranks; the max_steps extension, 1 process; tests/test_interrupts.py's Ctrl-C and SIGTERM runs).
 """
 
 import ast
@@ -33,9 +33,10 @@ import pytest
 import torch
 from torch.utils.data import DistributedSampler
 
+from conftest import EXACT_DATA as DATA
 from conftest import EXACT_DDP as EXACT
 from conftest import EXACT_SINGLE as EXTEND
-from conftest import EXACT_SINGLE_STEPS, REPO, TINY, TORCHRUN, TRAIN, check, launch, run_dirs, shared_run, sigterm_when
+from conftest import EXACT_SINGLE_STEPS, REPO, TORCHRUN, TRAIN, check, launch, run_dirs, shared_run
 from ids_and_noise import IdsAndNoise
 from ddp.checkpoint import CheckpointError, load_checkpoint, save_checkpoint, save_step_checkpoint
 from ddp.env import DistEnv
@@ -47,8 +48,7 @@ from models.small_cnn import SmallCNN
 RESTARTABLE = {"TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1"}
 
 # EXACT (tests/conftest.py): dropout (global RNG, per rank), random augmentation in 2 DataLoader
-# workers and a shuffled sampler, 2 ranks x 8 batches x 2 epochs = 16 steps. DATA: the same without workers.
-DATA = [*TINY, "model.dropout=0.3", "data.augment=true"]
+# workers and a shuffled sampler, 2 ranks x 8 batches x 2 epochs = 16 steps. DATA: its data and model.
 # For the runs whose property doesn't need loader workers (each rank's worker server costs a start-up).
 EXACT_NO_WORKERS = [arg for arg in EXACT if not arg.startswith("data.num_workers=")] + ["data.num_workers=0"]
 # One process, for the runs that must stop before training: no torchrun start-up to pay for.
@@ -134,16 +134,12 @@ def reference(exact_ddp_reference):
 # (Determinism, once a run of its own: the module docstring says why every resume test covers it.)
 
 @pytest.fixture(scope="module")
-def killed_and_resumed(tmp_path_factory):
+def killed_and_resumed(killed_and_restarted):
     """SIGKILL on rank 1 at step 7 (after the step-5 checkpoint), one restart allowed: (run dir, its
-    console output). Run once for all test processes (conftest.shared_run)."""
-    def produce(cwd: Path) -> str:
-        result = torchrun([*EXACT, "fault.kill_rank=1", "fault.at_step=7"], cwd, max_restarts=1)
-        check(result)
-        return result.stdout
-
-    cwd, stdout = shared_run("fault_tolerance_killed_and_resumed", produce, tmp_path_factory)
-    return the_run_dir(cwd), stdout  # the run dir survived the restart: one dir, not one per attempt
+    console output). Before the restart another launch runs in the same working dir (the run is
+    tests/conftest.py's, which tests/test_run_dirs.py reads too): the run dir survives the restart
+    all the same, one dir, not one per attempt."""
+    return killed_and_restarted
 
 
 def test_killed_rank_is_restarted_and_ends_bit_identical(reference, killed_and_resumed):
@@ -459,52 +455,8 @@ def test_resume_into_a_different_model_is_one_error_line(reference, tmp_path, mo
 
 # 11 --------------------------------------------------------------------------------------------
 
-def test_sigterm_to_torchrun_saves_a_checkpoint_and_a_max_steps_resume_and_its_extension_end_bit_identical(reference, tmp_path):
-    """Preemption: SIGTERM to torchrun reaches the workers, which finish the step, save and stop;
-    a relaunch with resume=auto in the same run dir carries on from that step, here up to
-    trainer.max_steps=12, mid-epoch (epoch 1, batch 4 of 8); a relaunch without it extends the run to
-    its 2 epochs: the uninterrupted reference. With 2 DataLoader workers per rank, which must not die
-    of the signal first.
-    Rank 1's every step takes 1 s longer (fault.slow_rank, a sleep: it changes no number, and the
-    resumes run without it), so the signal, 2 s into training, comes long before step 12.
-    On a loaded machine the first step can come late after the signal: the ranks may wait up to 45 s for
-    it (trainer.stop_deadline_s), and torchrun 55 s for them (--shutdown-timeout, 30 s by default), which
-    bound only a failure's wait."""
-    pinned = "hydra.run.dir=outputs/run"
-    max_steps = 12
-    slow_run = [*EXACT, "checkpoint.every_n_steps=100000", "trainer.stop_deadline_s=45", "fault.slow_rank=1",
-                "fault.slow_ms=1000", pinned]
-    run_dir = tmp_path / "outputs" / "run"
-    log_file = run_dir / "train_rank0.log"
-    command = [str(TORCHRUN), "--nproc_per_node=2", "--shutdown-timeout=55", str(TRAIN), *slow_run]
-    with open(tmp_path / "stdout.txt", "w") as stdout, open(tmp_path / "stderr.txt", "w") as stderr:
-        process = subprocess.Popen(command, cwd=tmp_path, env=_clean_env(), stdout=stdout, stderr=stderr,
-                                   start_new_session=True)
-
-        def two_seconds_into_training_with_nothing_saved():
-            time.sleep(2)
-            assert not (run_dir / "checkpoints").exists()  # nothing saved yet: the save must come from SIGTERM
-
-        returncode = sigterm_when(process, lambda: log_file.exists() and "global_batch=" in log_file.read_text(),
-                                  (tmp_path / "stderr.txt").read_text, before_signal=two_seconds_into_training_with_nothing_saved)
-    logs = (tmp_path / "stdout.txt").read_text() + (tmp_path / "stderr.txt").read_text()
-    assert returncode != 0, logs
-    assert (run_dir / "checkpoints" / "last.pt").is_file(), f"no checkpoint after SIGTERM\n{logs[-6000:]}"
-    checkpoint = last_checkpoint(run_dir)
-    saved = checkpoint["global_step"]
-    assert 0 < saved < max_steps, f"stopped at step {saved}: the SIGTERM came too late for this test"
-    for rank in (0, 1):
-        assert f"stopped by SIGTERM at step {saved}" in rank_log(run_dir, rank), rank_log(run_dir, rank)
-
-    result = torchrun([*EXACT, f"trainer.max_steps={max_steps}", pinned, "resume=auto"], tmp_path)
-    check(result)
-    assert re.search(rf"resumed from \S+ at epoch {checkpoint['epoch']}, batch {checkpoint['batch_in_epoch']}, step {saved}\b",
-                     result.stdout), output(result)
-    stopped = last_checkpoint(run_dir)
-    assert (stopped["epoch"], stopped["batch_in_epoch"], stopped["global_step"]) == (1, 4, max_steps)
-
-    check(torchrun([*EXACT, pinned, "resume=outputs/run"], tmp_path))
-    assert_bit_identical(last_checkpoint(run_dir), reference[1])
+# SIGTERM to torchrun (preemption), then resumed: tests/test_interrupts.py, in one chain with Ctrl-C
+# under torchrun, a max_steps stop mid-epoch and the extension to the end (bit-identical).
 
 
 def test_sigterm_to_the_rank_process_group_never_kills_loader_workers():
@@ -552,7 +504,7 @@ def test_resume_from_a_missing_path_starts_nothing(tmp_path):
 
 # 13 --------------------------------------------------------------------------------------------
 # EXTEND (tests/conftest.py): one process, 16 steps per epoch (128 samples, batch 8), dropout,
-# augmentation in 2 workers.
+# augmentation in the main process.
 
 
 @pytest.fixture(scope="module")
@@ -573,33 +525,17 @@ def test_a_max_steps_stop_mid_epoch_records_where_it_stopped(stopped_at_step_5):
 
 
 def test_extending_a_max_steps_run_is_bit_identical_to_running_that_long(stopped_at_step_5, exact_single_reference, tmp_path):
-    """Train 5 steps, look, then resume the run dir with a larger max_steps, across an epoch boundary:
-    the same as 20 steps straight (exact_single_reference). (An extension that ends within the epoch:
-    the last test.)"""
+    """Train 5 steps, look, then resume the run dir with a larger max_steps, twice: to step 10, within
+    the epoch, then to step 20, across an epoch boundary: the same as 20 steps straight
+    (exact_single_reference). Without loader workers the augmentation draws from the global RNG as
+    each batch loads: a run stopped by max_steps must load no batch past its last update, or its
+    checkpoint holds the RNG after a draw that the run never trained on, and the extended run draws
+    differently (and so does every later step, up to the end compared here).
+    2 ranks with loader workers: a max_steps stop mid-epoch, extended to the end, in tests/test_interrupts.py."""
     extended = tmp_path / "extended" / "run"
     shutil.copytree(stopped_at_step_5, extended)
-    result = launch([*EXTEND, f"trainer.max_steps={EXACT_SINGLE_STEPS}", f"resume={extended}"], tmp_path / "extended")
-    check(result)
-    assert "at epoch 0, batch 5, step 5" in result.stdout, output(result)
+    for start, steps in ((5, 10), (10, EXACT_SINGLE_STEPS)):
+        result = launch([*EXTEND, f"trainer.max_steps={steps}", f"resume={extended}"], tmp_path / "extended")
+        check(result)
+        assert f"at epoch 0, batch {start}, step {start}" in result.stdout, output(result)
     assert_bit_identical(last_checkpoint(extended), exact_single_reference[1])
-
-
-# 2 ranks: a max_steps stop mid-epoch, extended to the full 2 epochs, is the uninterrupted reference:
-# the SIGTERM test above (#11) ends that way.
-
-
-def test_extending_a_max_steps_run_is_bit_identical_with_augmentation_in_the_main_process(tmp_path):
-    """Without loader workers the augmentation draws from the global RNG as each batch loads: the
-    run stopped by max_steps must load no batch past its last update, or its checkpoint holds the RNG
-    after a draw that the run never trained on, and the extended run draws differently."""
-    args = [arg for arg in EXTEND if not arg.startswith("data.num_workers=")] + ["data.num_workers=0"]
-    extended = tmp_path / "extended"
-    extended.mkdir()
-    check(launch([*args, "trainer.max_steps=5", "hydra.run.dir=outputs/run"], extended))
-    result = launch([*args, "trainer.max_steps=10", "hydra.run.dir=outputs/run", "resume=outputs/run"], extended)
-    check(result)
-    assert "at epoch 0, batch 5, step 5" in result.stdout, output(result)
-    straight = tmp_path / "straight"
-    straight.mkdir()
-    check(launch([*args, "trainer.max_steps=10"], straight))
-    assert_bit_identical(last_checkpoint(extended / "outputs" / "run"), last_checkpoint(the_run_dir(straight)))

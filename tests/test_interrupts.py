@@ -1,6 +1,7 @@
 """Ctrl-C as a terminal sends it: SIGINT to the whole process group of the command, under every
 launcher. The first one saves at the next step and prints how to continue; the second exits at once.
-(SIGTERM to plain python: tests/test_run_dirs.py; to torchrun: tests/test_fault_tolerance.py.)"""
+SIGTERM to torchrun (preemption): in one chain with Ctrl-C under torchrun, below. (SIGTERM to plain
+python: tests/test_run_dirs.py.)"""
 
 import contextlib
 import csv
@@ -15,15 +16,17 @@ from pathlib import Path
 
 import pytest
 
-from conftest import EXACT_DATA, EXACT_SINGLE_STEPS, REPO, TINY, TORCHRUN, TRAIN, check, job_dir, job_numbers, run_dirs
+from conftest import (EXACT_DATA, EXACT_DDP, EXACT_SINGLE_STEPS, REPO, TINY, TORCHRUN, TRAIN, check, job_dir, job_numbers,
+                      run_dirs, sigterm_when)
 from ddp.checkpoint import load_checkpoint
-from test_fault_tolerance import _clean_env, assert_bit_identical, last_checkpoint
+from test_fault_tolerance import _clean_env, assert_bit_identical, last_checkpoint, torchrun
 
 # Long enough to be interrupted (dropout, augmentation and loader workers, so resuming has
 # something to get wrong); a resumed run is bounded by trainer.max_steps instead. The training of
 # tests/conftest.py's exact references (EXACT_DATA, no LR schedule): a resumed run bounded at a
 # reference's last step ends bit-identical to it.
-LONG = [*EXACT_DATA, "trainer.max_epochs=100000", "checkpoint.every_n_steps=5"]
+WORKERS = ["data.num_workers=2"]
+LONG = [*EXACT_DATA, *WORKERS, "trainer.max_epochs=100000", "checkpoint.every_n_steps=5"]
 LAUNCHERS = {
     "python": [sys.executable, str(TRAIN), "strategy=single"],
     "self_launched_ddp": [sys.executable, str(TRAIN), "strategy=ddp", "strategy.nproc_per_node=2"],
@@ -70,20 +73,21 @@ def finish(process: subprocess.Popen, cwd) -> tuple[int, str, str]:
     return returncode, (cwd / "stdout.txt").read_text(), (cwd / "stderr.txt").read_text()
 
 
-# Per launcher: the step to finish at, the reference run of that many steps (tests/conftest.py), and
-# the rank slowed down. Every training forward of that rank takes SLOW_MS longer (fault.slow_rank, a
-# sleep: it changes no number, and the resumed run goes without it), so the Ctrl-C, right after the
-# step-5 checkpoint, comes many seconds before the last step.
-FINISH = {"python": (EXACT_SINGLE_STEPS, "exact_single_reference", 0),
-          "self_launched_ddp": (16, "exact_ddp_reference", 1),
-          "torchrun": (16, "exact_ddp_reference", 1)}
+# Per launcher: its run's config, the step to finish at and the reference run of that many steps
+# (tests/conftest.py), and the rank slowed down. Every training forward of that rank takes SLOW_MS
+# longer (fault.slow_rank, a sleep: it changes no number, and the resumed run goes without it), so the
+# Ctrl-C, right after the step-5 checkpoint, comes many seconds before the last step. One process
+# augments in the main process, as its reference does (loader workers under Ctrl-C: the DDP launchers).
+# torchrun: the chain after this test.
+FINISH = {"python": ([arg for arg in LONG if arg not in WORKERS], EXACT_SINGLE_STEPS, "exact_single_reference", 0),
+          "self_launched_ddp": (LONG, 16, "exact_ddp_reference", 1)}
 SLOW_MS = 500
 
 
-@pytest.mark.parametrize("launcher", LAUNCHERS)
+@pytest.mark.parametrize("launcher", FINISH)
 def test_ctrl_c_saves_at_the_next_step_and_the_printed_command_finishes_bit_identically(launcher, tmp_path, request):
-    last_step, reference_fixture, slow_rank = FINISH[launcher]
-    command = [*LAUNCHERS[launcher], *LONG, f"fault.slow_rank={slow_rank}", f"fault.slow_ms={SLOW_MS}"]
+    config, last_step, reference_fixture, slow_rank = FINISH[launcher]
+    command = [*LAUNCHERS[launcher], *config, f"fault.slow_rank={slow_rank}", f"fault.slow_ms={SLOW_MS}"]
     process = start(command, tmp_path)
     wait_for_training(process, tmp_path)
     ctrl_c(process)
@@ -96,21 +100,91 @@ def test_ctrl_c_saves_at_the_next_step_and_the_printed_command_finishes_bit_iden
     (run_dir,) = run_dirs(tmp_path)
     assert last_checkpoint(run_dir)["global_step"] == step
     assert step < last_step, f"interrupted at step {step}: too late for this test"
-    if launcher == "torchrun":
-        # torchrun exits 1 with its own SignalException traceback, once its workers have saved.
-        assert returncode == 1 and "SignalException" in stderr, output[-4000:]
-        assert f'File "{TRAIN}"' not in output, output[-4000:]
-    else:
-        assert returncode == 130, output[-4000:]
-        assert "Traceback" not in output, output[-4000:]
+    assert returncode == 130, output[-4000:]
+    assert "Traceback" not in output, output[-4000:]
 
-    # the printed command, as a user would paste it (with this environment's python or torchrun)
-    assert resume[0] == ("torchrun" if launcher == "torchrun" else "python")
+    # the printed command, as a user would paste it (with this environment's python)
+    assert resume[0] == "python"
     assert resume[-1] == f"resume={os.path.relpath(run_dir, tmp_path)}"
-    resume[0] = str(TORCHRUN) if launcher == "torchrun" else sys.executable
+    resume[0] = sys.executable
     bounded = [f"trainer.max_steps={last_step}", "fault.slow_rank=-1"]
     check(subprocess.run([*resume, *bounded], cwd=tmp_path, env=_clean_env(), capture_output=True, text=True, timeout=180))
     assert_bit_identical(last_checkpoint(run_dir), request.getfixturevalue(reference_fixture)[1])
+
+
+def test_torchrun_stopped_by_sigterm_then_by_ctrl_c_then_by_max_steps_ends_bit_identically(exact_ddp_reference, tmp_path):
+    """One 2-rank run under torchrun, with 2 DataLoader workers per rank (which must not die of the
+    signals first), stopped three ways and resumed each time in its run dir; extended at last to its
+    2 epochs, it is the uninterrupted reference (exact_ddp_reference):
+    1. preemption: SIGTERM to torchrun reaches the workers, which finish the step, save and stop;
+    2. relaunched with resume=auto, it carries on from that step; Ctrl-C saves at the next step
+       after its first periodic checkpoint, and the console prints the command that continues;
+    3. that command, bounded by trainer.max_steps=14, stops mid-epoch (epoch 1, batch 6 of 8);
+    4. relaunched without the bound, it extends to its end.
+    Rank 1's every step takes 1 s longer in the first two (fault.slow_rank, a sleep: it changes no
+    number, and the later ones run without it), so each stop comes long before step 14.
+    On a loaded machine the first step can come late after the signal: the ranks may wait up to 45 s for
+    it (trainer.stop_deadline_s), and torchrun 55 s for them (--shutdown-timeout, 30 s by default), which
+    bound only a failure's wait."""
+    pinned = "hydra.run.dir=outputs/run"
+    max_steps = 14
+    slowed = ["trainer.stop_deadline_s=45", "fault.slow_rank=1", "fault.slow_ms=1000"]
+    run_dir = tmp_path / "outputs" / "run"
+    log_file = run_dir / "train_rank0.log"
+
+    # 1. SIGTERM to torchrun alone, 2 s into training
+    process = start([str(TORCHRUN), "--nproc_per_node=2", "--shutdown-timeout=55", str(TRAIN), *EXACT_DDP,
+                     "checkpoint.every_n_steps=100000", *slowed, pinned], tmp_path)
+
+    def two_seconds_into_training_with_nothing_saved():
+        time.sleep(2)
+        assert not (run_dir / "checkpoints").exists()  # nothing saved yet: the save must come from SIGTERM
+
+    returncode = sigterm_when(process, lambda: log_file.exists() and "global_batch=" in log_file.read_text(),
+                              (tmp_path / "stderr.txt").read_text, before_signal=two_seconds_into_training_with_nothing_saved)
+    logs = (tmp_path / "stdout.txt").read_text() + (tmp_path / "stderr.txt").read_text()
+    assert returncode != 0, logs
+    assert (run_dir / "checkpoints" / "last.pt").is_file(), f"no checkpoint after SIGTERM\n{logs[-6000:]}"
+    checkpoint = last_checkpoint(run_dir)
+    saved = checkpoint["global_step"]
+    assert 0 < saved < 10, f"stopped at step {saved}: the SIGTERM came too late for this test"
+    for rank in (0, 1):
+        rank_log = (run_dir / f"train_rank{rank}.log").read_text()
+        assert f"stopped by SIGTERM at step {saved}" in rank_log, rank_log
+
+    # 2. resume=auto carries on from there; Ctrl-C once it has saved its first periodic checkpoint
+    process = start([str(TORCHRUN), "--nproc_per_node=2", str(TRAIN), *EXACT_DDP, *slowed, pinned, "resume=auto"], tmp_path)
+    periodic = run_dir / "checkpoints" / f"step-{(saved // 5 + 1) * 5:08d}.pt"
+    deadline = time.monotonic() + 180
+    while not periodic.exists():
+        assert process.poll() is None and time.monotonic() < deadline, (tmp_path / "stderr.txt").read_text()[-3000:]
+        time.sleep(0.1)
+    ctrl_c(process)
+    returncode, stdout, stderr = finish(process, tmp_path)
+    output = stdout + stderr
+    assert re.search(rf"resumed from \S+ at epoch {checkpoint['epoch']}, batch {checkpoint['batch_in_epoch']}, step {saved}\b",
+                     stdout), output[-4000:]
+    hints = [HINT.search(line) for line in output.splitlines() if "checkpoint saved: continue with" in line]
+    assert len(hints) == 1 and hints[0], output[-4000:]
+    step, resume = int(hints[0][1]), shlex.split(hints[0][2])
+    assert last_checkpoint(run_dir)["global_step"] == step
+    assert step < max_steps, f"interrupted at step {step}: too late for this test"
+    # torchrun exits 1 with its own SignalException traceback, once its workers have saved.
+    assert returncode == 1 and "SignalException" in stderr, output[-4000:]
+    assert f'File "{TRAIN}"' not in output, output[-4000:]
+
+    # 3. the printed command, as a user would paste it (with this environment's torchrun), bounded
+    assert resume[0] == "torchrun"
+    assert resume[-1] == f"resume={os.path.relpath(run_dir, tmp_path)}"
+    resume[0] = str(TORCHRUN)
+    check(subprocess.run([*resume, f"trainer.max_steps={max_steps}", "fault.slow_rank=-1"], cwd=tmp_path, env=_clean_env(),
+                         capture_output=True, text=True, timeout=180))
+    stopped = last_checkpoint(run_dir)
+    assert (stopped["epoch"], stopped["batch_in_epoch"], stopped["global_step"]) == (1, 6, max_steps)
+
+    # 4. extended to its 2 epochs
+    check(torchrun([*EXACT_DDP, pinned, "resume=outputs/run"], tmp_path))
+    assert_bit_identical(last_checkpoint(run_dir), exact_ddp_reference[1])
 
 
 def test_a_stop_while_a_loader_worker_is_still_starting_exits_without_a_traceback(tmp_path):
@@ -156,7 +230,7 @@ def test_a_second_ctrl_c_exits_at_once_and_the_saved_checkpoint_still_loads(tmp_
 
 def test_ctrl_c_in_a_sweep_marks_the_job_interrupted_and_starts_no_other(tmp_path):
     # No loader workers: what the sweep does with the interrupted job doesn't depend on them (the first test's do).
-    without_workers = [arg for arg in LONG if not arg.startswith("data.num_workers=")]
+    without_workers = [arg for arg in LONG if arg not in WORKERS]
     process = start([sys.executable, str(TRAIN), "-m", "strategy=single", *without_workers, "data.batch_size=8,16"], tmp_path)
     wait_for_training(process, tmp_path)
     ctrl_c(process)

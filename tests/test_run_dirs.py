@@ -2,7 +2,6 @@
 processes started at the same moment in one working dir."""
 
 import json
-import os
 import re
 import signal
 import subprocess
@@ -16,7 +15,6 @@ from conftest import REPO, TINY, TORCHRUN, TRAIN, check, job_dir, job_numbers, l
 from data import build_datasets
 from ddp.env import DistEnv
 from ddp.loaders import build_val_loader
-from ddp.dir_lock import lock_holder
 from ddp.run_dir import _prune_dead_claims
 from models import build_model
 from test_fault_tolerance import _clean_env, assert_same_state, last_checkpoint
@@ -144,41 +142,15 @@ def test_a_killed_run_leaves_no_lock_behind(tmp_path):
     assert last_checkpoint(run_dir)["global_step"] == 32
 
 
-def test_a_restart_of_a_days_old_run_keeps_its_dir_while_another_launch_prunes_claims(tmp_path):
-    """File claims (no shared store, as for gloo restarts) of a run started two days ago: rank 0 is
-    killed at step 5, and before torchrun restarts the workers (held here: its agent stopped), a plain
-    launch in the same working dir prunes the claims it can prove dead. This claim's agent lives: the
-    restart resumes in its own dir from the step-4 checkpoint."""
-    args = ["strategy=ddp", *TINY, "checkpoint.every_n_steps=2", "fault.kill_rank=0", "fault.at_step=5"]
-    with open(tmp_path / "torchrun.log", "w") as output:
-        agent = subprocess.Popen([str(TORCHRUN), "--nproc_per_node=2", "--max-restarts=1", str(TRAIN), *args], cwd=tmp_path,
-                                 env=_clean_env(), stdout=output, stderr=subprocess.STDOUT)
-    try:
-        deadline = time.monotonic() + 120
-        while not (claims := list(tmp_path.glob("outputs/.launches/*/run_dir"))):
-            assert agent.poll() is None and time.monotonic() < deadline, (tmp_path / "torchrun.log").read_text()[-3000:]
-            time.sleep(0.02)
-        agent.send_signal(signal.SIGSTOP)  # no restart until SIGCONT
-        (claim,) = claims
-        while not claim.read_text():
-            assert time.monotonic() < deadline, "the claim stayed empty"
-            time.sleep(0.02)
-        run_dir = tmp_path / claim.read_text()
-        while not (list(run_dir.glob("checkpoints/step-*.pt")) and lock_holder(run_dir) is None):  # rank 0 saved, then died
-            assert time.monotonic() < deadline, "rank 0 was not killed"
-            time.sleep(0.02)
-        two_days_ago = time.time() - 2 * 24 * 3600
-        os.utime(claim.parent, (two_days_ago, two_days_ago))
-        check(launch([*TINY, "trainer.max_steps=1"], tmp_path))  # prunes dead claims
-        agent.send_signal(signal.SIGCONT)
-        assert agent.wait(timeout=180) == 0, (tmp_path / "torchrun.log").read_text()[-3000:]
-    finally:
-        if agent.poll() is None:
-            agent.send_signal(signal.SIGCONT)
-            agent.kill()
-            agent.wait()
-    assert len(run_dirs(tmp_path)) == 2  # the restarted run's and the other launch's
-    assert "at epoch 0, batch 4, step 4" in (run_dir / "train_rank0.log").read_text()
+def test_a_restart_of_a_days_old_run_keeps_its_dir_while_another_launch_prunes_claims(killed_and_restarted):
+    """File claims (no shared store, as for gloo restarts) of a run started two days ago: rank 1 is
+    killed at step 7 and rank 0 ends after it, and before torchrun restarts the workers (held: its
+    agent stopped), a plain launch in the same working dir prunes the claims it can prove dead. This
+    claim's agent lives: the restart resumes in its own dir from the step-5 checkpoint. (The run is
+    tests/conftest.py's killed_and_restarted, which tests/test_fault_tolerance.py reads too.)"""
+    run_dir, _ = killed_and_restarted
+    assert len(run_dirs(run_dir.parent.parent)) == 2  # the restarted run's and the other launch's
+    assert "at epoch 0, batch 5, step 5" in (run_dir / "train_rank0.log").read_text()
     assert last_checkpoint(run_dir)["global_step"] == 16
 
 
