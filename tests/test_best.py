@@ -15,7 +15,7 @@ from hydra import compose, initialize_config_dir
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
 import train
-from conftest import REPO, check, launch, run_dirs
+from conftest import REPO, check, job_dir, launch, run_dirs
 from ddp.config import ConfigError
 from test_fault_tolerance import assert_bit_identical, assert_same_state
 
@@ -31,9 +31,10 @@ BEST = ["strategy=single", "data=synthetic", "data.num_samples=64", "data.num_va
 # A rank that went on alone would wait in its next collective: strategy.timeout_s ends that job soon.
 EARLY = ["strategy=ddp", *BEST[1:], "trainer.max_epochs=10", "checkpoint.every_n_steps=0", "trainer.early_stop_patience=2",
          "strategy.timeout_s=30"]
-# The EMA weights (decay 0.9 per update) rank: their val losses 2.333 (step 8, the best), 2.368 (step 16),
-# while the raw model's 2.475 and 2.425 would make step 16 the best.
-EMA = [*BEST, "trainer.max_epochs=2", "ema.decay=0.9", "checkpoint.best_of=ema", "checkpoint.keep_best=1"]
+# BEST with EMA weights beside the model (decay 0.9 per update), ranked by the model's validation (best_run,
+# as above) and by the EMA weights' (ema_run): one multirun trains both. The EMA weights' val losses, 2.333
+# (step 8, the best), 2.368, 2.406, 2.544, rank step 8 first, while the raw model's make step 16 the best.
+RANKED_BY = {best_of: [*BEST, "ema.decay=0.9", f"checkpoint.best_of={best_of}"] for best_of in ("model", "ema")}
 
 
 def the_run_dir(cwd: Path) -> Path:
@@ -55,25 +56,39 @@ def scalars(run_dir: Path, tag: str) -> list[tuple[int, float]]:
     return [(event.step, event.value) for event in accumulator.Scalars(tag)]
 
 
-def evaluate(checkpoint: Path, cwd: Path) -> dict:
-    """mode=eval of `checkpoint` on BEST's data, in one process: its eval.json."""
-    check(launch(["mode=eval", f"resume={checkpoint}", *BEST[1:6]], cwd))
-    (evaluation,) = [json.loads(path.read_text()) for path in cwd.rglob("eval.json")]
-    return evaluation
-
-
-def trained(args: list[str], cwd: Path) -> Path:
-    """The run dir of train.py with `args`, run to its end in cwd."""
-    check(launch(args, cwd))
-    return the_run_dir(cwd)
+@pytest.fixture(scope="module")
+def ranked_runs(tmp_path_factory) -> dict[str, Path]:
+    """RANKED_BY's runs, the jobs of one multirun (one process start): {best_of: run dir}."""
+    cwd = tmp_path_factory.mktemp("best")
+    check(launch(["-m", *BEST, "ema.decay=0.9", "checkpoint.best_of=model,ema"], cwd))
+    (sweep,) = (cwd / "outputs" / "multirun").iterdir()
+    runs = {"model": job_dir(sweep, 0), "ema": job_dir(sweep, 1)}
+    assert all(load(run_dir / "checkpoints" / "last.pt")["config"]["checkpoint"]["best_of"] == best_of
+               for best_of, run_dir in runs.items())
+    return runs
 
 
 @pytest.fixture(scope="module")
-def best_run(tmp_path_factory) -> Path:
-    return trained(BEST, tmp_path_factory.mktemp("best"))
+def best_run(ranked_runs) -> Path:
+    return ranked_runs["model"]
 
 
-def test_best_pt_holds_the_best_validation_and_evaluates_to_it_exactly(best_run, tmp_path):
+@pytest.fixture(scope="module")
+def ema_run(ranked_runs) -> Path:
+    return ranked_runs["ema"]
+
+
+@pytest.fixture(scope="module")
+def best_evaluated(ranked_runs, tmp_path_factory) -> dict[str, dict]:
+    """mode=eval of each ranked run's best.pt on BEST's data, in one process (a multirun): {best_of: its eval.json}."""
+    cwd = tmp_path_factory.mktemp("evaluated")
+    checkpoints = ",".join(f"'{ranked_runs[best_of] / 'checkpoints' / 'best.pt'}'" for best_of in ("model", "ema"))
+    check(launch(["-m", "mode=eval", f"resume={checkpoints}", *BEST[1:6]], cwd))
+    (sweep,) = (cwd / "outputs" / "multirun").iterdir()
+    return {best_of: json.loads((job_dir(sweep, job) / "eval.json").read_text()) for job, best_of in enumerate(("model", "ema"))}
+
+
+def test_best_pt_holds_the_best_validation_and_evaluates_to_it_exactly(best_run, best_evaluated):
     results = results_of(best_run)
     losses = scalars(best_run, "val/loss")
     assert [step for step, _ in losses] == [8, 16, 24, 32]
@@ -87,7 +102,7 @@ def test_best_pt_holds_the_best_validation_and_evaluates_to_it_exactly(best_run,
 
     best = load(best_run / "checkpoints" / "best.pt")
     assert best["global_step"] == 16 and best["best"]["best"]["step"] == 16
-    evaluation = evaluate(best_run / "checkpoints" / "best.pt", tmp_path)
+    evaluation = best_evaluated["model"]
     assert evaluation["step"] == 16
     for key in ("val_loss", "val_accuracy"):
         assert evaluation[key] == results[f"best_{key}"], key  # exactly: the same model, the same exact evaluation
@@ -107,11 +122,11 @@ def test_kill_and_resume_between_improvements_ends_as_the_uninterrupted_run(best
     """Killed at step 12, after the best at step 8 and the checkpoint at step 10, before the better
     step 16; resumed from step 10 in the same run dir: every checkpoint left, best.pt included, and
     the record of the best are bit-identical to the uninterrupted run's."""
-    killed = launch([*BEST, "fault.kill_rank=0", "fault.at_step=12"], tmp_path)
+    killed = launch([*RANKED_BY["model"], "fault.kill_rank=0", "fault.at_step=12"], tmp_path)
     assert killed.returncode != 0
     run_dir = the_run_dir(tmp_path)
     assert load(run_dir / "checkpoints" / "last.pt")["global_step"] == 10
-    check(launch([*BEST, f"resume={run_dir}"], tmp_path))
+    check(launch([*RANKED_BY["model"], f"resume={run_dir}"], tmp_path))
 
     names = sorted(p.name for p in (run_dir / "checkpoints").iterdir())
     assert names == sorted(p.name for p in (best_run / "checkpoints").iterdir())
@@ -124,12 +139,7 @@ def test_kill_and_resume_between_improvements_ends_as_the_uninterrupted_run(best
         assert resumed[key] == uninterrupted[key], key
 
 
-@pytest.fixture(scope="module")
-def ema_run(tmp_path_factory) -> Path:
-    return trained(EMA, tmp_path_factory.mktemp("ema"))
-
-
-def test_best_of_ema_keeps_the_ema_weights_best_validation(ema_run, tmp_path):
+def test_best_of_ema_keeps_the_ema_weights_best_validation(ema_run, best_evaluated):
     """checkpoint.best_of=ema: the EMA weights' val loss ranks (best at step 8, though the raw model's
     best is at step 16). best.pt is step 8's checkpoint, and its mode=eval gives that validation's
     metrics exactly: the EMA weights' (the recorded best) and the raw model's."""
@@ -138,11 +148,11 @@ def test_best_of_ema_keeps_the_ema_weights_best_validation(ema_run, tmp_path):
     assert results["best_metric"] == "val_ema_loss"
     assert results["best_step"] == min(ema_losses, key=ema_losses.get) == 8
     assert min(losses, key=losses.get) == 16  # ranked by the raw model, step 16 would be the best
-    assert [value for _, value in scalars(ema_run, "val/best_ema_loss")] == pytest.approx([ema_losses[8]] * 2, rel=1e-6)
+    assert [value for _, value in scalars(ema_run, "val/best_ema_loss")] == pytest.approx([ema_losses[8]] * 4, rel=1e-6)
 
     best = load(ema_run / "checkpoints" / "best.pt")
     assert best["global_step"] == 8 and best["best"]["best"]["step"] == 8
-    evaluation = evaluate(ema_run / "checkpoints" / "best.pt", tmp_path)
+    evaluation = best_evaluated["ema"]
     assert evaluation["step"] == 8
     for key in ("val_ema_loss", "val_ema_accuracy", "val_loss", "val_accuracy"):
         assert evaluation[key] == results[f"best_{key}"], key  # exactly: the same weights, the same exact evaluation
@@ -164,11 +174,11 @@ def test_a_resume_that_would_rank_otherwise_is_a_one_line_error_before_anything_
     a resume by another would mix them. train.run, in this process: one line naming the keys and the
     two ways on, raised before a process group exists or a file of the run dir changes."""
     run_dir = request.getfixturevalue(fixture)
-    args = EMA if fixture == "ema_run" else BEST
+    args = RANKED_BY["ema" if fixture == "ema_run" else "model"]
     before = {path: path.stat().st_mtime_ns for path in run_dir.rglob("*")}
     monkeypatch.chdir(tmp_path)
     with initialize_config_dir(config_dir=str(REPO / "conf"), version_base="1.3"):
-        cfg = compose("config", overrides=[*args, f"resume={run_dir}", *changed])
+        cfg = compose("config", overrides=[*args, f"resume='{run_dir}'", *changed])  # quoted: a job dir's name has "="
     with pytest.raises(ConfigError) as error:
         train.run(cfg, run_dir, relaunch="")
     line = str(error.value)

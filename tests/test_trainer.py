@@ -125,9 +125,10 @@ def test_resnet18_trains_end_to_end(tmp_path):
 
 
 def test_imagefolder_trains_a_pretrained_torchvision_model_and_evaluates_its_test_split(tmp_path):
-    """A real folder of PNGs (3 classes x 8 training images), read by two DataLoader workers with
-    TrivialAugment; resnet18 by name from local ImageNet-shaped weights, its 1000-class head skipped;
-    then mode=eval on the folder's test/ split."""
+    """A real folder of PNGs (3 classes x 8 training images) with TrivialAugment; resnet18 by name from
+    local ImageNet-shaped weights, its 1000-class head skipped; then mode=eval on the folder's test/
+    split. In the main process: ImageFolders read by loader workers train in test_models_and_data.py
+    and test_recipes.py."""
     root = write_imagefolder(tmp_path / "images", classes=("cat", "dog", "eel"), per_class={"train": 8, "val": 4, "test": 5},
                              splits=("train", "val", "test"))
     weights = torchvision.models.resnet18(num_classes=1000).state_dict()
@@ -136,7 +137,7 @@ def test_imagefolder_trains_a_pretrained_torchvision_model_and_evaluates_its_tes
         weights[key].fill_(1000)
     weights["bn1.weight"].fill_(5.0)
     torch.save(weights, tmp_path / "resnet18_imagenet.pth")
-    data = ["data=imagefolder", f"data.root={root}", "data.image_size=32", "data.batch_size=4", "data.num_workers=2"]
+    data = ["data=imagefolder", f"data.root={root}", "data.image_size=32", "data.batch_size=4", "data.num_workers=0"]
     for cwd in ("train", "eval"):
         (tmp_path / cwd).mkdir()
     check(launch([*data, "data.augment=trivialaugment", "model=torchvision", "model.name=resnet18",
@@ -153,7 +154,7 @@ def test_imagefolder_trains_a_pretrained_torchvision_model_and_evaluates_its_tes
     assert not torch.equal(trained["bn1.weight"], weights["bn1.weight"])
 
     # one multirun evaluates the checkpoint on test/, and on val/: there, the run's own final val metrics
-    check(launch(["-m", *data, "data.num_workers=0", "mode=eval", f"resume={run_dir}", "data.split=test,val"], tmp_path / "eval"))
+    check(launch(["-m", *data, "mode=eval", f"resume={run_dir}", "data.split=test,val"], tmp_path / "eval"))
     (sweep,) = (tmp_path / "eval" / "outputs" / "multirun").iterdir()
     on_test, on_val = (json.loads((job_dir(sweep, job) / "eval.json").read_text()) for job in (0, 1))
     assert (on_test["split"], on_test["test_samples"], on_test["step"]) == ("test", 15, 12)
