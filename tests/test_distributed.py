@@ -9,12 +9,15 @@ Covered by other modules' runs, which already launch them:
   tests/test_segmentation_runs.py; 2 ranks: test_reported_metrics_are_those_of_the_saved_model below."""
 
 import json
+import logging
 
 import pytest
 import torch
+from hydra import compose, initialize_config_dir
 from omegaconf import OmegaConf
 
-from conftest import TINY, check, launch, load_last, load_results, run_dirs
+import train
+from conftest import REPO, TINY, load_last, load_results, run_dirs
 from data import build_datasets
 from ddp.env import DistEnv
 from ddp.loaders import build_val_loader
@@ -129,18 +132,24 @@ def test_ddp_checkpoint_loads_strictly_into_a_single_model(ddp_run):
     SmallCNN(num_classes=10, in_channels=3, channels=[8, 16]).load_state_dict(checkpoint["model"], strict=True)
 
 
-def test_dataparallel_run_resumes_a_ddp_checkpoint_and_reports_its_metrics(ddp_run, tmp_path):
+def test_dataparallel_run_resumes_a_ddp_checkpoint_and_reports_its_metrics(ddp_run, tmp_path, monkeypatch, caplog):
     """strategy=dp end to end: the 2-rank DDP checkpoint loads into the DataParallel run (world size 1:
     weights only, with a warning), nothing is left to train, and DP's eval path scores the same model
-    with the same metrics; without GPUs the run says it uses one CPU replica."""
+    with the same metrics; without GPUs the run says it uses one CPU replica. (train.run in this
+    process, whose log records are the run's console lines: a launch would cost seconds of start-up.)"""
     ddp_dir = run_dirs(ddp_run[0])[0]
-    result = launch(["strategy=dp", "syncbn=true", *TINY, f"resume={ddp_dir / 'checkpoints' / 'last.pt'}"], tmp_path)
-    check(result)
+    monkeypatch.chdir(tmp_path)
+    with initialize_config_dir(config_dir=str(REPO / "conf"), version_base="1.3"):
+        cfg = compose("config", overrides=["strategy=dp", "syncbn=true", *TINY, f"resume={ddp_dir / 'checkpoints' / 'last.pt'}"])
+    run_dir = tmp_path / "outputs" / "run"
+    run_dir.mkdir(parents=True)
+    with caplog.at_level(logging.INFO):
+        train.run(cfg, run_dir, relaunch="")
     assert ("checkpoint has world_size=2, this run 1: the data position is kept exactly (sample 0 of epoch 2 on), but the "
-            "per-rank RNG states don't carry over: bit-identical only at an equal world size") in result.stdout
-    assert "no CUDA GPUs visible, so DataParallel runs one replica on CPU" in result.stdout
-    assert "syncbn=true has no effect with strategy=dp: DataParallel's replicas each normalise their own chunk" in result.stdout
-    dp, ddp = load_results(tmp_path), load_results(ddp_run[0])
+            "per-rank RNG states don't carry over: bit-identical only at an equal world size") in caplog.text
+    assert "no CUDA GPUs visible, so DataParallel runs one replica on CPU" in caplog.text
+    assert "syncbn=true has no effect with strategy=dp: DataParallel's replicas each normalise their own chunk" in caplog.text
+    dp, ddp = json.loads((run_dir / "results.json").read_text()), load_results(ddp_run[0])
     assert (dp["strategy"], dp["world_size"], dp["steps"]) == ("dp", 1, 16)
     assert dp["val_samples"] == ddp["val_samples"] == 37
     assert dp["val_accuracy"] == ddp["val_accuracy"]

@@ -252,7 +252,7 @@ def run_failing_sweep(cwd: Path) -> dict:
     result = launch(["-m", "strategy=single", *SMALL, "data.num_workers=2", "data.batch_size=0,16", "optim.lr=1e6,0.05",
                      "fault.raise_rank=-1,0", "fault.at_step=2",
                      "+hydra.callbacks.leak_probe._target_=tests.workers.leak_probe.LeakProbe",
-                     f"+hydra.callbacks.leak_probe.path={probe}"], cwd)
+                     f"+hydra.callbacks.leak_probe.path={probe}"], cwd, timeout=360)
     return as_json(result)
 
 
