@@ -4,6 +4,7 @@ throughput window, per-run peak memory, and real training of resnet18 and of an 
 
 import json
 import shutil
+from pathlib import Path
 
 import pytest
 import torch
@@ -103,25 +104,35 @@ def test_samples_per_s_counts_training_steps_only(tmp_path):
     assert results["train_time_s"] < results["wall_s"]
 
 
-def test_peak_memory_is_measured_per_run_in_a_multirun(tmp_path):
+@pytest.fixture(scope="module")
+def big_then_resnet18(tmp_path_factory) -> tuple[dict, Path]:
+    """One multirun of resnet18 on 32x32 synthetic images, 4 training batches and 12 val samples:
+    job 0 generates 20,000 images (about 600 MB), job 1 only 32 (4 batches: one epoch).
+    (job 0's results.json, job 1's dir)."""
+    cwd = tmp_path_factory.mktemp("big_then_resnet18")
+    tiny = [arg for arg in TINY if not arg.startswith(("model.", "data.num_samples", "data.num_val_samples", "data.image_size"))]
+    check(launch(["-m", "strategy=single", "model=resnet18", *tiny, "data.image_size=32", "data.num_val_samples=12",
+                  "trainer.max_epochs=1", "trainer.limit_train_batches=4", "data.num_samples=20000,32"], cwd))
+    (sweep,) = (cwd / "outputs" / "multirun").iterdir()
+    return json.loads((job_dir(sweep, 0) / "results.json").read_text()), job_dir(sweep, 1)
+
+
+def test_peak_memory_is_measured_per_run_in_a_multirun(big_then_resnet18):
     """A multirun runs its jobs in one process: job 1 (tiny data) must not report job 0's peak
     (about 600 MB more, for 20,000 generated 32x32 images)."""
-    args = ["-m", "strategy=single", "data=synthetic", "data.image_size=32", "data.num_val_samples=16",
-            "trainer.max_epochs=1", "trainer.limit_train_batches=2", "data.num_samples=20000,64"]
-    check(launch(args, tmp_path))
-    sweep = next((tmp_path / "outputs" / "multirun").iterdir())
-    big, small = (json.loads((job_dir(sweep, job) / "results.json").read_text()) for job in (0, 1))
+    big, small_dir = big_then_resnet18
+    small = json.loads((small_dir / "results.json").read_text())
     assert big["peak_memory_device"] == small["peak_memory_device"] == "cpu"
     assert small["peak_memory_mb"] < big["peak_memory_mb"] - 400, (big["peak_memory_mb"], small["peak_memory_mb"])
 
 
-def test_resnet18_trains_end_to_end(tmp_path):
-    tiny = [arg for arg in TINY if not arg.startswith("model.")]
-    result = launch(["model=resnet18", *tiny, "data.num_samples=32", "data.num_val_samples=12", "trainer.max_epochs=1"], tmp_path)
-    check(result)
-    results = load_results(tmp_path)
+def test_resnet18_trains_end_to_end(big_then_resnet18):
+    """The multirun's job 1: resnet18 through a whole (one-epoch) run, its checkpoint loading strictly."""
+    _, run_dir = big_then_resnet18
+    results = json.loads((run_dir / "results.json").read_text())
     assert (results["steps"], results["val_samples"]) == (4, 12)
-    build_resnet18(num_classes=10, in_channels=3, small_input=True).load_state_dict(load_last(tmp_path)["model"], strict=True)
+    checkpoint = torch.load(run_dir / "checkpoints" / "last.pt", weights_only=True)
+    build_resnet18(num_classes=10, in_channels=3, small_input=True).load_state_dict(checkpoint["model"], strict=True)
 
 
 def test_imagefolder_trains_a_pretrained_torchvision_model_and_evaluates_its_test_split(tmp_path):
