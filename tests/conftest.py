@@ -112,13 +112,25 @@ def run_dirs(cwd: Path) -> list[Path]:
 DDP_RUN = ["strategy=ddp", "syncbn=true", *TINY, "checkpoint.keep_best=0"]
 
 
+def _checked_launch(args: list[str], nproc: int | None = None, env: dict | None = None, script: Path = TRAIN):
+    """produce for shared_run: launch in its dir, check, and keep what tests read of the process."""
+    def produce(cwd: Path) -> dict:
+        result = launch(args, cwd, nproc=nproc, env=env(cwd) if env else None, script=script)
+        check(result)
+        return as_json(result)
+    return produce
+
+
+def _completed(result: dict) -> subprocess.CompletedProcess:
+    """A finished process as shared_run kept it (as_json), read as the process itself."""
+    return subprocess.CompletedProcess([], result["returncode"], result["stdout"], result["stderr"])
+
+
 @pytest.fixture(scope="session")
 def ddp_run(tmp_path_factory):
-    """DDP_RUN under torchrun --nproc_per_node=2."""
-    cwd = tmp_path_factory.mktemp("ddp")
-    result = launch(DDP_RUN, cwd, nproc=2)
-    check(result)
-    return cwd, result
+    """DDP_RUN under torchrun --nproc_per_node=2, once for all test processes (shared_run)."""
+    cwd, result = shared_run("ddp_run", _checked_launch(DDP_RUN, nproc=2), tmp_path_factory)
+    return cwd, _completed(result)
 
 
 def final_weights(run_dir: Path) -> dict[str, torch.Tensor]:
@@ -145,23 +157,24 @@ def plain_ddp_run(tmp_path_factory):
     tests/workers/instrumented_train.py, which records every collective and host read per step and
     each rank's final weights in watch/. Logs every 4 steps; 8 steps per epoch, 2 epochs. fp16 with
     its GradScaler, clipping and EMA are on. Rank 1 is a straggler: its every forward takes 100 ms
-    longer (fault.slow_rank)."""
-    cwd = tmp_path_factory.mktemp("plain_ddp")
-    (cwd / "watch").mkdir()
-    result = launch(["strategy=ddp", *TINY, "model.dropout=0.2", "trainer.log_every_n_steps=4", "checkpoint.every_n_steps=0",
-                     "precision=16", "trainer.gradient_clip_norm=0.5", "ema.decay=0.9", "fault.slow_rank=1", "fault.slow_ms=100"],
-                    cwd, nproc=2, env={"WATCH_DIR": str(cwd / "watch")}, script=REPO / "tests" / "workers" / "instrumented_train.py")
-    check(result)
-    return cwd, result
+    longer (fault.slow_rank). Once for all test processes (shared_run)."""
+    def watched(cwd: Path) -> dict:
+        (cwd / "watch").mkdir()
+        return {"WATCH_DIR": str(cwd / "watch")}
+
+    args = ["strategy=ddp", *TINY, "model.dropout=0.2", "trainer.log_every_n_steps=4", "checkpoint.every_n_steps=0",
+            "precision=16", "trainer.gradient_clip_norm=0.5", "ema.decay=0.9", "fault.slow_rank=1", "fault.slow_ms=100"]
+    cwd, result = shared_run("plain_ddp_run", _checked_launch(args, nproc=2, env=watched,
+                                                             script=REPO / "tests" / "workers" / "instrumented_train.py"),
+                             tmp_path_factory)
+    return cwd, _completed(result)
 
 
 @pytest.fixture(scope="session")
 def single_run(tmp_path_factory):
-    """The same training as ddp_run in one process with the global batch of 16."""
-    cwd = tmp_path_factory.mktemp("single")
-    result = launch(["strategy=single", *TINY, "data.batch_size=16"], cwd)
-    check(result)
-    return cwd, result
+    """The same training as ddp_run in one process with the global batch of 16, once for all test processes."""
+    cwd, result = shared_run("single_run", _checked_launch(["strategy=single", *TINY, "data.batch_size=16"]), tmp_path_factory)
+    return cwd, _completed(result)
 
 
 def write_imagefolder(root: Path, classes=("cat", "dog"), per_class: int | dict[str, int] = 3,
@@ -342,3 +355,21 @@ def killed_and_restarted(tmp_path_factory):
     restart keeps its dir while the other launch prunes claims)."""
     cwd, result = shared_run("killed_and_restarted", _kill_and_restart_past_a_pruning_launch, tmp_path_factory)
     return cwd / result["run_dir"], result["stdout"]
+
+
+# --- speed2-b: train.run in the test process -----------------------------------------------------------
+# A single-process run whose property is the training's, not the launch's, runs in the test process:
+# a launch costs seconds of start-up (torch, dynamo, Hydra) for a run of a fraction of that.
+
+def run_in_this_process(overrides: list[str], run_dir: Path) -> dict:
+    """train.run on the config `overrides` compose, with `run_dir` as its run dir (made here if new),
+    in this process and its working dir; what it returns. No console or train_rank0.log: Hydra's job
+    logging is the launch's (test_trainer.py resumes a run dir through a launch)."""
+    from hydra import compose, initialize_config_dir
+
+    import train
+
+    run_dir.mkdir(parents=True, exist_ok=True)
+    with initialize_config_dir(config_dir=str(REPO / "conf"), version_base="1.3"):
+        cfg = compose("config", overrides=overrides)
+    return train.run(cfg, run_dir, relaunch="")

@@ -15,7 +15,7 @@ from hydra import compose, initialize_config_dir
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
 import train
-from conftest import REPO, check, job_dir, launch, run_dirs
+from conftest import REPO, check, job_dir, launch, run_dirs, run_in_this_process
 from ddp.config import ConfigError
 from test_fault_tolerance import assert_bit_identical, assert_same_state
 
@@ -118,15 +118,17 @@ def test_keep_last_pruning_leaves_the_best_checkpoints(best_run):
     assert load(directory / "last.pt")["best"]["kept"] == [[pytest.approx(2.4249, abs=1e-4), 16], [pytest.approx(2.4750, abs=1e-4), 8]]
 
 
-def test_kill_and_resume_between_improvements_ends_as_the_uninterrupted_run(best_run, tmp_path):
+def test_kill_and_resume_between_improvements_ends_as_the_uninterrupted_run(best_run, tmp_path, monkeypatch):
     """Killed at step 12, after the best at step 8 and the checkpoint at step 10, before the better
-    step 16; resumed from step 10 in the same run dir: every checkpoint left, best.pt included, and
-    the record of the best are bit-identical to the uninterrupted run's."""
+    step 16; resumed from step 10 in the same run dir (by train.run in this process: a launch costs
+    seconds of start-up): every checkpoint left, best.pt included, and the record of the best are
+    bit-identical to the uninterrupted run's."""
     killed = launch([*RANKED_BY["model"], "fault.kill_rank=0", "fault.at_step=12"], tmp_path)
     assert killed.returncode != 0
     run_dir = the_run_dir(tmp_path)
     assert load(run_dir / "checkpoints" / "last.pt")["global_step"] == 10
-    check(launch([*RANKED_BY["model"], f"resume={run_dir}"], tmp_path))
+    monkeypatch.chdir(tmp_path)
+    run_in_this_process([*RANKED_BY["model"], f"resume='{run_dir}'"], run_dir)
 
     names = sorted(p.name for p in (run_dir / "checkpoints").iterdir())
     assert names == sorted(p.name for p in (best_run / "checkpoints").iterdir())
@@ -216,24 +218,31 @@ def test_early_stopping_ends_every_rank_at_the_same_step(early_run):
     assert load(run_dir / "checkpoints" / "last.pt")["global_step"] == 12  # the stop saved
 
 
-def test_resuming_a_stopped_run_trains_nothing_more_unless_the_patience_grew(early_run, tmp_path):
+def resume_in_this_process(run_dir: Path, *overrides: str) -> dict:
+    """EARLY's stopped run resumed in one process, by train.run in this one (as in the test above: a
+    launch would cost seconds of start-up; resuming a run dir through a launch: tests/test_trainer.py).
+    Its results.json."""
+    run_in_this_process([*EARLY[1:], f"resume='{run_dir}'", "strategy=single", *overrides], run_dir)
+    return results_of(run_dir)
+
+
+def test_resuming_a_stopped_run_trains_nothing_more_unless_the_patience_grew(early_run, tmp_path, monkeypatch):
     run_dir = shutil.copytree(early_run[0], tmp_path / "copy" / "run")
-    check(launch([*EARLY[1:], f"resume={run_dir}", "strategy=single"], tmp_path / "copy"))
-    again = results_of(run_dir)
+    monkeypatch.chdir(tmp_path / "copy")
+    again = resume_in_this_process(run_dir)
     assert (again["steps"], again["stopped_early"], again["stopped_epoch"]) == (12, True, 2)
-    check(launch([*EARLY[1:], f"resume={run_dir}", "strategy=single", "trainer.early_stop_patience=3"], tmp_path / "copy"))
-    longer = results_of(run_dir)
+    longer = resume_in_this_process(run_dir, "trainer.early_stop_patience=3")
     assert longer["steps"] > 12 and longer["best_step"] == 4  # the record carried over: step 4's best still counts
     # and the count: at 2 already, the next validation without improvement (one epoch: 8 steps in one process) stops it
     assert (longer["steps"], longer["stopped_early"], longer["stopped_epoch"]) == (20, True, 3)
 
 
-def test_resuming_a_stopped_run_with_more_epochs_goes_on_with_its_record(early_run, tmp_path):
+def test_resuming_a_stopped_run_with_more_epochs_goes_on_with_its_record(early_run, tmp_path, monkeypatch):
     """trainer.max_epochs 10 -> 11 at the same patience: the run continues with its best (step 4) and its
     count (2 of 2), so the first validation without improvement, one epoch on, stops it again."""
     run_dir = shutil.copytree(early_run[0], tmp_path / "copy" / "run")
-    check(launch([*EARLY[1:], f"resume={run_dir}", "strategy=single", "trainer.max_epochs=11"], tmp_path / "copy"))
-    results = results_of(run_dir)
+    monkeypatch.chdir(tmp_path / "copy")
+    results = resume_in_this_process(run_dir, "trainer.max_epochs=11")
     assert (results["steps"], results["stopped_early"], results["stopped_epoch"], results["best_step"]) == (20, True, 3, 4)
     reason = "val_loss did not improve by more than 0 for 2 validations (best 2.3829 at step 4)"
     assert results["stop_reason"] == reason
