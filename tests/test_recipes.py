@@ -9,7 +9,7 @@ import torch
 from omegaconf import OmegaConf
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
-from conftest import REPO, TINY, check, hparams_table, job_dir, launch, load_last, load_results, run_dirs, write_imagefolder
+from conftest import REPO, TINY, check, hparams_table, job_dir, launch, load_last, load_results, run_dirs, run_in_this_process, write_imagefolder
 from data import build_datasets
 from ddp.env import DistEnv
 from ddp.loaders import build_val_loader
@@ -160,12 +160,14 @@ FP16_COSINE = ["strategy=single", *TINY, "precision=16", "trainer.log_every_n_st
 
 @pytest.fixture(scope="module")
 def fp16_cosine(tmp_path_factory):
-    """FP16_COSINE's run dirs: (straight, resumed from the straight run's step-5 checkpoint)."""
-    straight_cwd, resumed_cwd = tmp_path_factory.mktemp("fp16_straight"), tmp_path_factory.mktemp("fp16_resumed")
-    check(launch(FP16_COSINE, straight_cwd))
-    (straight,) = run_dirs(straight_cwd)
-    check(launch([*FP16_COSINE, f"resume={straight / 'checkpoints' / 'step-00000005.pt'}"], resumed_cwd))
-    (resumed,) = run_dirs(resumed_cwd)
+    """FP16_COSINE's run dirs: (straight, resumed from the straight run's step-5 checkpoint). Both by
+    train.run in this process (a launch costs seconds of start-up; what is checked is the training's)."""
+    straight, resumed = (tmp_path_factory.mktemp(name) / "run" for name in ("fp16_straight", "fp16_resumed"))
+    with pytest.MonkeyPatch.context() as monkeypatch:
+        monkeypatch.chdir(straight.parent)
+        run_in_this_process(FP16_COSINE, straight)
+        monkeypatch.chdir(resumed.parent)
+        run_in_this_process([*FP16_COSINE, f"resume={straight / 'checkpoints' / 'step-00000005.pt'}"], resumed)
     return straight, resumed
 
 
@@ -186,24 +188,27 @@ def test_logged_lr_is_the_schedule_step_for_step_across_a_resume_in_warmup(fp16_
         assert [value for _, value in logged] == pytest.approx(expected, rel=1e-6)  # TensorBoard stores float32
 
 
-def test_a_resume_with_a_changed_lr_trains_at_it_and_reports_it(tmp_path):
+def test_a_resume_with_a_changed_lr_trains_at_it_and_reports_it(tmp_path, monkeypatch):
     """4 updates at optim.lr=0.05, then resumed with optim.lr=0.5 up to update 8: the optimizer trains
     at 0.5 (not the checkpoint's 0.05), and train/lr (TensorBoard's reader), results.json, the
     optimizer's state in the final checkpoint and the HParams table (TensorBoard's own backend) all
-    say so, with each attempt's events in its one file."""
+    say so, with each attempt's events in its one file. Both attempts by train.run in this process
+    (a launch costs seconds of start-up; resuming a run dir through a launch: test_trainer.py)."""
     args = ["strategy=single", *TINY, "trainer.log_every_n_steps=1"]
-    check(launch([*args, "trainer.max_steps=4"], tmp_path))
-    (run_dir,) = run_dirs(tmp_path)
+    monkeypatch.chdir(tmp_path)
+    run_dir = tmp_path / "run"
+    run_in_this_process([*args, "trainer.max_steps=4"], run_dir)
     assert hparams_table(run_dir)["."]["lr"] == pytest.approx(0.05)
-    check(launch([*args, "trainer.max_steps=8", "optim.lr=0.5", f"resume={run_dir}"], tmp_path))
+    run_in_this_process([*args, "trainer.max_steps=8", "optim.lr=0.5", f"resume={run_dir}"], run_dir)
     assert len(list(run_dir.glob("events.out.tfevents*"))) == 2  # one per attempt
     assert hparams_table(run_dir)["."]["lr"] == pytest.approx(0.5)
     accumulator = EventAccumulator(str(run_dir))
     accumulator.Reload()
     logged = [(e.step, e.value) for e in accumulator.Scalars("train/lr")]
     assert logged == [(step, pytest.approx(0.05 if step <= 4 else 0.5)) for step in range(1, 9)]
-    assert load_results(tmp_path)["lr"] == 0.5
-    assert [group["lr"] for group in load_last(tmp_path)["optimizer"]["param_groups"]] == [0.5]
+    assert json.loads((run_dir / "results.json").read_text())["lr"] == 0.5
+    last = torch.load(run_dir / "checkpoints" / "last.pt", weights_only=True)
+    assert [group["lr"] for group in last["optimizer"]["param_groups"]] == [0.5]
 
 
 @pytest.fixture(scope="module")
