@@ -3,6 +3,7 @@ train.py: batch limits, validation cadence, checkpoint pruning, resuming a run d
 throughput window, per-run peak memory, and real training of resnet18 and of an ImageFolder."""
 
 import json
+import logging
 import shutil
 from pathlib import Path
 
@@ -11,7 +12,7 @@ import torch
 import torchvision
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
-from conftest import TINY, check, job_dir, launch, load_last, load_results, run_dirs, write_imagefolder
+from conftest import TINY, check, job_dir, launch, load_last, load_results, run_dirs, run_in_this_process, write_imagefolder
 from models.resnet import build_resnet18
 
 # 4 epochs of 3 batches (limit_train_batches), validation on 2 batches of 8 after epochs 3 and 4,
@@ -85,16 +86,17 @@ def test_resume_of_a_run_dir_continues_in_that_dir(knobs_run, tmp_path):
     assert [e.step for e in scalars(source, "train/loss")] == list(range(1, 16))
 
 
-def test_samples_per_s_counts_training_steps_only(tmp_path):
+def test_samples_per_s_counts_training_steps_only(tmp_path, monkeypatch):
     """Validation here costs more than training (8x the samples). samples_per_s must still be the
     training rate, which TensorBoard's own timestamps of the per-step losses measure independently:
-    samples between two steps of one epoch over the wall time between them. Tolerance: 25%."""
+    samples between two steps of one epoch over the wall time between them. Tolerance: 25%.
+    (train.run in this process: a launch costs seconds of start-up, outside what is measured.)"""
     args = ["strategy=single", *TINY, "data.num_samples=512", "data.num_val_samples=4096", "trainer.log_every_n_steps=1",
             "trainer.warmup_steps=5"]
-    result = launch(args, tmp_path)
-    check(result)
-    (run_dir,) = run_dirs(tmp_path)
-    results = load_results(tmp_path)
+    monkeypatch.chdir(tmp_path)
+    run_dir = tmp_path / "run"
+    run_in_this_process(args, run_dir)
+    results = json.loads((run_dir / "results.json").read_text())
     wall_time = {e.step: e.wall_time for e in scalars(run_dir, "train/loss")}
     assert sorted(wall_time) == list(range(1, 129))
     spans = [(5, 64), (65, 128)]  # within epoch 0 after warm-up, and within epoch 1
@@ -135,11 +137,12 @@ def test_resnet18_trains_end_to_end(big_then_resnet18):
     build_resnet18(num_classes=10, in_channels=3, small_input=True).load_state_dict(checkpoint["model"], strict=True)
 
 
-def test_imagefolder_trains_a_pretrained_torchvision_model_and_evaluates_its_test_split(tmp_path):
+def test_imagefolder_trains_a_pretrained_torchvision_model_and_evaluates_its_test_split(tmp_path, monkeypatch, caplog):
     """A real folder of PNGs (3 classes x 8 training images) with TrivialAugment; resnet18 by name from
     local ImageNet-shaped weights, its 1000-class head skipped; then mode=eval on the folder's test/
     split. In the main process: ImageFolders read by loader workers train in test_models_and_data.py
-    and test_recipes.py."""
+    and test_recipes.py. The training is train.run in this process (a launch costs seconds of start-up),
+    the evaluation a launched multirun."""
     root = write_imagefolder(tmp_path / "images", classes=("cat", "dog", "eel"), per_class={"train": 8, "val": 4, "test": 5},
                              splits=("train", "val", "test"))
     weights = torchvision.models.resnet18(num_classes=1000).state_dict()
@@ -149,15 +152,16 @@ def test_imagefolder_trains_a_pretrained_torchvision_model_and_evaluates_its_tes
     weights["bn1.weight"].fill_(5.0)
     torch.save(weights, tmp_path / "resnet18_imagenet.pth")
     data = ["data=imagefolder", f"data.root={root}", "data.image_size=32", "data.batch_size=4", "data.num_workers=0"]
-    for cwd in ("train", "eval"):
-        (tmp_path / cwd).mkdir()
-    check(launch([*data, "data.augment=trivialaugment", "model=torchvision", "model.name=resnet18",
-                  f"model.weights_path={tmp_path / 'resnet18_imagenet.pth'}", "trainer.max_epochs=2"], tmp_path / "train"))
-    results = load_results(tmp_path / "train")
+    (tmp_path / "eval").mkdir()
+    monkeypatch.chdir(tmp_path)
+    run_dir = tmp_path / "train" / "run"
+    with caplog.at_level(logging.INFO):
+        run_in_this_process([*data, "data.augment=trivialaugment", "model=torchvision", "model.name=resnet18",
+                             f"model.weights_path={tmp_path / 'resnet18_imagenet.pth'}", "trainer.max_epochs=2"], run_dir)
+    results = json.loads((run_dir / "results.json").read_text())
     assert (results["steps"], results["val_samples"]) == (12, 12)  # 24 images: 6 batches of 4, 2 epochs
-    (run_dir,) = run_dirs(tmp_path / "train")
-    assert "skipped the classifier head ['fc.bias', 'fc.weight']" in (run_dir / "train_rank0.log").read_text()
-    trained = load_last(tmp_path / "train")["model"]
+    assert "skipped the classifier head ['fc.bias', 'fc.weight']" in caplog.text
+    trained = torch.load(run_dir / "checkpoints" / "last.pt", weights_only=True)["model"]
     assert trained["fc.weight"].shape == (3, 512)  # one output per class folder
     # loaded, then trained: every BatchNorm counted the 12 training batches on top of the file's 1000
     assert {trained[key].item() for key in trained if key.endswith("num_batches_tracked")} == {1012}
