@@ -80,12 +80,17 @@ def ema_run(ranked_runs) -> Path:
 
 @pytest.fixture(scope="module")
 def best_evaluated(ranked_runs, tmp_path_factory) -> dict[str, dict]:
-    """mode=eval of each ranked run's best.pt on BEST's data, in one process (a multirun): {best_of: its eval.json}."""
+    """mode=eval of each ranked run's best.pt on BEST's data, by train.run in this process (a launch costs
+    seconds of start-up; mode=eval launched: tests/test_trainer.py): {best_of: its eval.json}."""
     cwd = tmp_path_factory.mktemp("evaluated")
-    checkpoints = ",".join(f"'{ranked_runs[best_of] / 'checkpoints' / 'best.pt'}'" for best_of in ("model", "ema"))
-    check(launch(["-m", "mode=eval", f"resume={checkpoints}", *BEST[1:6]], cwd))
-    (sweep,) = (cwd / "outputs" / "multirun").iterdir()
-    return {best_of: json.loads((job_dir(sweep, job) / "eval.json").read_text()) for job, best_of in enumerate(("model", "ema"))}
+    evaluations = {}
+    with pytest.MonkeyPatch.context() as monkeypatch:
+        monkeypatch.chdir(cwd)
+        for best_of in ("model", "ema"):
+            checkpoint = ranked_runs[best_of] / "checkpoints" / "best.pt"
+            run_in_this_process(["mode=eval", f"resume='{checkpoint}'", *BEST[1:6]], cwd / best_of)
+            evaluations[best_of] = json.loads((cwd / best_of / "eval.json").read_text())
+    return evaluations
 
 
 def test_best_pt_holds_the_best_validation_and_evaluates_to_it_exactly(best_run, best_evaluated):

@@ -135,21 +135,24 @@ def test_a_resume_with_everything_on_is_bit_identical(recipe, recipe_run, tmp_pa
     assert_same_state({k: resumed[k] for k in UPDATE_STATE_KEYS}, {k: reference[k] for k in UPDATE_STATE_KEYS})
 
 
-def test_two_ranks_accumulating_two_micro_batches_equal_one_process_with_four_times_the_batch(tmp_path):
+def test_two_ranks_accumulating_two_micro_batches_equal_one_process_with_four_times_the_batch(tmp_path, monkeypatch):
     """GroupNorm (per-sample statistics): 2 ranks x batch 8 x 2 micro-batches = 1 process x batch 32,
-    up to float summation order; and DDP skipped the gradient all-reduce of every first micro-batch."""
+    up to float summation order; and DDP skipped the gradient all-reduce of every first micro-batch.
+    The one process is train.run in this one (a launch costs seconds of start-up)."""
     common = [*TINY, "model.norm=group", "optim=adam", "trainer.max_epochs=2"]
     (tmp_path / "ddp").mkdir()
     # WATCH_TENSORS=0: no_sync is counted without the dispatch mode that sees every operation (and costs CPU)
     watch = instrumented(["strategy=ddp", *common, "data.batch_size=8", "trainer.accumulate_grad_batches=2"], tmp_path / "ddp",
                          env={"WATCH_TENSORS": "0"})
-    (tmp_path / "single").mkdir()
-    check(launch(["strategy=single", *common, "data.batch_size=32"], tmp_path / "single"))
-    accumulated, whole = load_last(tmp_path / "ddp")["model"], load_last(tmp_path / "single")["model"]
+    single = tmp_path / "single" / "run"
+    monkeypatch.chdir(tmp_path)
+    run_in_this_process(["strategy=single", *common, "data.batch_size=32"], single)
+    accumulated, whole = load_last(tmp_path / "ddp")["model"], last_checkpoint(single)["model"]
     for key in whole:
         torch.testing.assert_close(accumulated[key], whole[key], rtol=1e-5, atol=1e-6, msg=lambda m, key=key: f"{key}: {m}")
     assert [int((watch / f"no_sync_rank{rank}.txt").read_text()) for rank in (0, 1)] == [8, 8]  # 2 epochs x 4 updates
-    assert load_results(tmp_path / "ddp")["global_batch_size"] == load_results(tmp_path / "single")["global_batch_size"] == 32
+    single_results = json.loads((single / "results.json").read_text())
+    assert load_results(tmp_path / "ddp")["global_batch_size"] == single_results["global_batch_size"] == 32
 
 
 # One process in fp16 with a cosine schedule (warmup 10 of 32 updates), a checkpoint every 5 updates (all kept):
