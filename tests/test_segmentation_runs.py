@@ -1,8 +1,9 @@
 """task=segmentation end to end, with real processes (python, torchrun, Hydra multirun; CPU, gloo):
 small_segnet learns the shapes dataset; SyncBN makes 2 ranks equal one process with their batches;
-evaluation is exact at any world size and equals mode=eval of the saved model; a killed rank resumes
-bit-identically; a sweep optimises val_miou; DP, accumulation, bf16 and EMA run; TensorBoard gets the
-image grid. Runs that several tests read are fixtures shared by the test processes (conftest.shared_run).
+evaluation is exact at any world size and equals mode=eval of the saved model; a resume from a
+mid-run checkpoint ends bit-identically (the kill itself: tests/test_fault_tolerance.py); a sweep
+optimises val_miou; DP, accumulation, bf16 and EMA run; TensorBoard gets the image grid. Runs that
+several tests read are fixtures shared by the test processes (conftest.shared_run).
 MixUp's refusal is one of tests/test_bad_input.py's config errors (in process, as the others of the
 task's refusals are in tests/test_segmentation.py)."""
 
@@ -28,11 +29,12 @@ SEG = ["task=segmentation", "data=shapes", "model=small_segnet", "model.width=8"
        "data.num_workers=0"]
 # 37 val images: a size that neither 2 nor 3 ranks divide.
 VAL = ["data.num_val_samples=37"]
-# 2 ranks x batch 8 with SyncBN: 16 steps per epoch, 48 in all, a checkpoint every 5 steps (for the
-# kill-and-resume test) and validation after each epoch. Random resize, crop and flip (data.augment)
-# draw from the rank's global RNG, which a checkpoint restores.
+# 2 ranks x batch 8 with SyncBN: 16 steps per epoch, 48 in all, a checkpoint every 5 steps and at each
+# epoch's end, all 12 kept (the resume test starts from step 5), and validation after each epoch.
+# Random resize, crop and flip (data.augment) draw from the rank's global RNG, which a checkpoint restores.
 LEARN = ["strategy=ddp", "syncbn=true", *SEG, *VAL, "data.num_samples=256", "data.batch_size=8", "optim=adam",
-         "optim.lr=0.003", "trainer.max_epochs=3", "trainer.log_every_n_steps=4", "checkpoint.every_n_steps=5"]
+         "optim.lr=0.003", "trainer.max_epochs=3", "trainer.log_every_n_steps=4", "checkpoint.every_n_steps=5",
+         "checkpoint.keep_last=12"]
 STEPS = 48
 GRID = (4 * (24 + 2) + 2, 3 * (24 + 2) + 2)  # make_grid of 4 rows x (input, target, prediction), 2 px apart
 
@@ -151,16 +153,20 @@ def test_val_metrics_are_exact_at_world_sizes_1_2_3_and_equal_mode_eval_of_the_c
 
 # --- resume ---------------------------------------------------------------------------------------
 
-def test_killed_rank_resumes_bit_identical(learned, tmp_path):
-    """Rank 1 killed at step 7, torchrun restarts both from the step-5 checkpoint: the run ends exactly
-    where the uninterrupted one did (weights, optimizer, position, every rank's RNG states)."""
-    run_dir, _ = learned
-    result = torchrun([*LEARN, "fault.kill_rank=1", "fault.at_step=7"], tmp_path, max_restarts=1, timeout=300)
+def test_a_resume_from_the_step_5_checkpoint_ends_bit_identical(learned, tmp_path):
+    """A fresh torchrun launch resumed from the learned run's step-5 checkpoint (mid-epoch 1, with
+    SyncBN buffers and the augmentation's RNG) ends exactly where the uninterrupted run did (weights,
+    optimizer, position, every rank's RNG states) and validates the same, across two epoch boundaries.
+    That a killed rank is restarted from its run's last checkpoint is tests/test_fault_tolerance.py's
+    test_killed_rank_is_restarted_and_ends_bit_identical; this test is about what a resume restores."""
+    run_dir, results = learned
+    step_5 = run_dir / "checkpoints" / "step-00000005.pt"
+    result = torchrun([*LEARN, f"resume={step_5}"], tmp_path, timeout=300)
     check(result)
+    assert f"resumed from {step_5} at epoch 0, batch 5, step 5" in result.stdout  # not a fresh run
     (resumed_dir,) = run_dirs(tmp_path)
-    assert "killing this rank at step 7" in (resumed_dir / "train_rank1.log").read_text()
     assert_bit_identical(last_checkpoint(resumed_dir), last_checkpoint(run_dir))
-    assert metrics_of(results_in(tmp_path)) == metrics_of(learned[1])
+    assert metrics_of(results_in(tmp_path)) == metrics_of(results)
 
 
 # --- SyncBN ---------------------------------------------------------------------------------------
