@@ -181,22 +181,30 @@ def test_tensorboard_has_every_step_once_after_kill_and_resume(reference, killed
     assert resumed == uninterrupted
 
 
-# 3, 5 ------------------------------------------------------------------------------------------
+# 3, 5, 6 ---------------------------------------------------------------------------------------
 
-def test_exhausted_restart_budget_fails_keeps_the_last_checkpoint_and_a_corrupt_one_falls_back_to_an_older_one(reference, tmp_path):
-    """Rank 1 dies at step 12 on every attempt; after the one allowed restart (which resumed from
-    step 10) torchrun gives up, and the checkpoints of steps 5 and 10 are intact. Then last.pt is
+def test_exhausted_restart_budget_fails_names_the_raising_rank_keeps_the_last_checkpoint_and_a_corrupt_one_falls_back(reference, tmp_path):
+    """Rank 1 raises at step 12 on every attempt; after the one allowed restart (which resumed from
+    step 10) torchrun gives up fast (well within NO_HANG_S, not strategy.timeout_s) and names that rank
+    and its error as the root cause, and the checkpoints of steps 5 and 10 are intact. Then last.pt is
     corrupted: resume=auto skips it (and step 10, the same file), resumes from step 5 and ends
-    bit-identical to the reference. (One run for both: a kill that leaves checkpoints behind.)"""
+    bit-identical to the reference. (One run for three stories: a raising rank, a restart budget used up,
+    and a failure that leaves checkpoints behind. A SIGKILLed rank and its restart: test 1 above.)"""
     pinned = "hydra.run.dir=outputs/run"
     # keep_best=0: the validation at step 8 would add a step-8 checkpoint (and best-8), another fallback
-    result = torchrun([*EXACT, pinned, "checkpoint.keep_best=0", "fault.kill_rank=1", "fault.at_step=12", "fault.every_attempt=true"],
+    result = torchrun([*EXACT, pinned, "checkpoint.keep_best=0", "fault.raise_rank=1", "fault.at_step=12", "fault.every_attempt=true"],
                       tmp_path, max_restarts=1, timeout=NO_HANG_S)
     assert result.returncode != 0, output(result)
+    assert "Root Cause" in result.stderr, output(result)
+    root_cause = result.stderr.split("Root Cause", 1)[1].split("=" * 20, 1)[0]
+    assert re.search(r"rank\s*:\s*1 \(local_rank: 1\)", root_cause), root_cause
+    assert "RuntimeError: injected fault: fault.raise_rank=1 at step 12" in root_cause, root_cause
     run_dir = tmp_path / "outputs" / "run"
-    assert rank_log(run_dir, 1).count("killing this rank at step 12") == 2  # both attempts died
-    assert rank_log(run_dir, 1).count("at epoch 1, batch 2, step 10") == 1  # the restart resumed from step 10
+    for rank in (0, 1):
+        assert rank_log(run_dir, rank).count("process group up") == 2  # two attempts
+        assert rank_log(run_dir, rank).count("at epoch 1, batch 2, step 10") == 1  # the restart resumed from step 10
     directory = run_dir / "checkpoints"
+    # no step-15 checkpoint: the restart died at step 12 too
     assert sorted(p.name for p in directory.iterdir()) == ["last.pt", "step-00000005.pt", "step-00000010.pt"]
     for name, position in (("last.pt", (1, 2, 10)), ("step-00000010.pt", (1, 2, 10)), ("step-00000005.pt", (0, 5, 5))):
         checkpoint = torch.load(directory / name, weights_only=True)
@@ -332,15 +340,7 @@ def test_save_killed_midway_keeps_the_previous_checkpoint_and_the_next_save_clea
 # 5: with 3 above (the exhausted run's checkpoints are the ones corrupted).
 
 
-# 6 ---------------------------------------------------------------------------------------------
-
-def test_raising_rank_fails_the_job_fast_and_torchrun_names_it(tmp_path):
-    result = torchrun([*EXACT_NO_WORKERS, "fault.raise_rank=1", "fault.at_step=3"], tmp_path, timeout=NO_HANG_S)
-    assert result.returncode != 0, output(result)
-    assert "Root Cause" in result.stderr, output(result)
-    root_cause = result.stderr.split("Root Cause", 1)[1].split("=" * 20, 1)[0]
-    assert re.search(r"rank\s*:\s*1 \(local_rank: 1\)", root_cause), root_cause
-    assert "RuntimeError: injected fault: fault.raise_rank=1 at step 3" in root_cause, root_cause
+# 6: with 3 above (its rank 1 raises; torchrun names it as the root cause).
 
 
 # 7 ---------------------------------------------------------------------------------------------

@@ -1,7 +1,7 @@
 """Ctrl-C as a terminal sends it: SIGINT to the whole process group of the command, under every
 launcher. The first one saves at the next step and prints how to continue; the second exits at once.
-SIGTERM to torchrun (preemption): in one chain with Ctrl-C under torchrun, below. (SIGTERM to plain
-python: tests/test_run_dirs.py.)"""
+SIGTERM to torchrun (preemption): in one chain with Ctrl-C under torchrun and under the self-launched
+DDP (strategy.nproc_per_node), below. (SIGTERM to plain python: tests/test_run_dirs.py.)"""
 
 import contextlib
 import csv
@@ -19,7 +19,7 @@ import pytest
 from conftest import (EXACT_DATA, EXACT_DDP, EXACT_SINGLE_STEPS, REPO, TINY, TORCHRUN, TRAIN, check, job_dir, job_numbers,
                       run_dirs, sigterm_when)
 from ddp.checkpoint import load_checkpoint
-from test_fault_tolerance import _clean_env, assert_bit_identical, last_checkpoint, torchrun
+from test_fault_tolerance import _clean_env, assert_bit_identical, last_checkpoint
 
 # Long enough to be interrupted (dropout, augmentation and loader workers, so resuming has
 # something to get wrong); a resumed run is bounded by trainer.max_steps instead. The training of
@@ -29,7 +29,6 @@ WORKERS = ["data.num_workers=2"]
 LONG = [*EXACT_DATA, *WORKERS, "trainer.max_epochs=100000", "checkpoint.every_n_steps=5"]
 LAUNCHERS = {
     "python": [sys.executable, str(TRAIN), "strategy=single"],
-    "self_launched_ddp": [sys.executable, str(TRAIN), "strategy=ddp", "strategy.nproc_per_node=2"],
     "torchrun": [str(TORCHRUN), "--nproc_per_node=2", str(TRAIN), "strategy=ddp"],
 }
 HINT = re.compile(r"interrupted at step (\d+) \(epoch \d+\); checkpoint saved: continue with  (.+)$")
@@ -77,10 +76,9 @@ def finish(process: subprocess.Popen, cwd) -> tuple[int, str, str]:
 # (tests/conftest.py), and the rank slowed down. Every training forward of that rank takes SLOW_MS
 # longer (fault.slow_rank, a sleep: it changes no number, and the resumed run goes without it), so the
 # Ctrl-C, right after the step-5 checkpoint, comes many seconds before the last step. One process
-# augments in the main process, as its reference does (loader workers under Ctrl-C: the DDP launchers).
-# torchrun: the chain after this test.
-FINISH = {"python": ([arg for arg in LONG if arg not in WORKERS], EXACT_SINGLE_STEPS, "exact_single_reference", 0),
-          "self_launched_ddp": (LONG, 16, "exact_ddp_reference", 1)}
+# augments in the main process, as its reference does. Both DDP launchers (torchrun and
+# strategy.nproc_per_node, with loader workers under Ctrl-C): the chain after this test.
+FINISH = {"python": ([arg for arg in LONG if arg not in WORKERS], EXACT_SINGLE_STEPS, "exact_single_reference", 0)}
 SLOW_MS = 500
 
 
@@ -112,22 +110,41 @@ def test_ctrl_c_saves_at_the_next_step_and_the_printed_command_finishes_bit_iden
     assert_bit_identical(last_checkpoint(run_dir), request.getfixturevalue(reference_fixture)[1])
 
 
-def test_torchrun_stopped_by_sigterm_then_by_ctrl_c_then_by_max_steps_ends_bit_identically(exact_ddp_reference, tmp_path):
-    """One 2-rank run under torchrun, with 2 DataLoader workers per rank (which must not die of the
-    signals first), stopped three ways and resumed each time in its run dir; extended at last to its
-    2 epochs, it is the uninterrupted reference (exact_ddp_reference):
-    1. preemption: SIGTERM to torchrun reaches the workers, which finish the step, save and stop;
-    2. relaunched with resume=auto, it carries on from that step; Ctrl-C saves at the next step
-       after its first periodic checkpoint, and the console prints the command that continues;
-    3. that command, bounded by trainer.max_steps=14, stops mid-epoch (epoch 1, batch 6 of 8);
-    4. relaunched without the bound, it extends to its end.
-    Rank 1's every step takes 1 s longer in the first two (fault.slow_rank, a sleep: it changes no
-    number, and the later ones run without it), so each stop comes long before step 14.
+def _ctrl_c_hint(output: str, run_dir, cwd, launcher: str, before: int) -> tuple[int, list[str]]:
+    """The console's one line after a Ctrl-C: the step it saved (that of last.pt, before `before`) and
+    the command it prints, as a user would paste it (`launcher` first, the run dir last)."""
+    hints = [HINT.search(line) for line in output.splitlines() if "checkpoint saved: continue with" in line]
+    assert len(hints) == 1 and hints[0], output[-4000:]
+    step, resume = int(hints[0][1]), shlex.split(hints[0][2])
+    assert last_checkpoint(run_dir)["global_step"] == step
+    assert step < before, f"interrupted at step {step}: too late for this test"
+    assert resume[0] == launcher
+    assert resume[-1] == f"resume={os.path.relpath(run_dir, cwd)}"
+    return step, resume
+
+
+def test_ddp_stopped_by_sigterm_ctrl_c_and_max_steps_under_both_launchers_ends_bit_identically(exact_ddp_reference, tmp_path):
+    """One 2-rank run, with 2 DataLoader workers per rank (which must not die of the signals first),
+    stopped four ways and resumed each time in its run dir, under torchrun and under its own launcher
+    (strategy.nproc_per_node=2) in turn; run to its 2 epochs at last, it is the uninterrupted reference
+    (exact_ddp_reference):
+    1. torchrun, preemption: SIGTERM to torchrun reaches the workers, which finish the step, save and stop;
+    2. self-launched with resume=auto, it carries on from that step; Ctrl-C saves at the next step
+       after its first periodic checkpoint, exits 130, and the console prints the command that continues;
+    3. that command, bounded by trainer.max_steps=13, stops mid-epoch (epoch 1, batch 5 of 8);
+    4. torchrun resumes it at step 13, saving every step (checkpoint.*: no change to the training);
+       Ctrl-C once it has saved step 14 saves at step 15, torchrun exits, and the console prints the
+       torchrun command that continues;
+    5. that command runs to the end (an extension of the max_steps stop, past one more stop).
+    Rank 1's every step takes 1 s longer in the stopped ones, 3 s in the fourth (fault.slow_rank, a
+    sleep: it changes no number, and the bounded and the last one run without it), so each stop comes
+    long before the step that bounds it. (One chain for what were two tests: the self-launched Ctrl-C and its printed command
+    finishing bit-identically, and torchrun's SIGTERM, Ctrl-C, max_steps stop and extension.)
     On a loaded machine the first step can come late after the signal: the ranks may wait up to 45 s for
     it (trainer.stop_deadline_s), and torchrun 55 s for them (--shutdown-timeout, 30 s by default), which
     bound only a failure's wait."""
     pinned = "hydra.run.dir=outputs/run"
-    max_steps = 14
+    max_steps = 13
     slowed = ["trainer.stop_deadline_s=45", "fault.slow_rank=1", "fault.slow_ms=1000"]
     run_dir = tmp_path / "outputs" / "run"
     log_file = run_dir / "train_rank0.log"
@@ -152,8 +169,8 @@ def test_torchrun_stopped_by_sigterm_then_by_ctrl_c_then_by_max_steps_ends_bit_i
         rank_log = (run_dir / f"train_rank{rank}.log").read_text()
         assert f"stopped by SIGTERM at step {saved}" in rank_log, rank_log
 
-    # 2. resume=auto carries on from there; Ctrl-C once it has saved its first periodic checkpoint
-    process = start([str(TORCHRUN), "--nproc_per_node=2", str(TRAIN), *EXACT_DDP, *slowed, pinned, "resume=auto"], tmp_path)
+    # 2. self-launched, resume=auto carries on from there; Ctrl-C once it has saved its first periodic checkpoint
+    process = start([sys.executable, str(TRAIN), *EXACT_DDP, "strategy.nproc_per_node=2", *slowed, pinned, "resume=auto"], tmp_path)
     periodic = run_dir / "checkpoints" / f"step-{(saved // 5 + 1) * 5:08d}.pt"
     deadline = time.monotonic() + 180
     while not periodic.exists():
@@ -163,27 +180,38 @@ def test_torchrun_stopped_by_sigterm_then_by_ctrl_c_then_by_max_steps_ends_bit_i
     returncode, stdout, stderr = finish(process, tmp_path)
     output = stdout + stderr
     assert re.search(rf"resumed from \S+ at epoch {checkpoint['epoch']}, batch {checkpoint['batch_in_epoch']}, step {saved}\b",
-                     stdout), output[-4000:]
-    hints = [HINT.search(line) for line in output.splitlines() if "checkpoint saved: continue with" in line]
-    assert len(hints) == 1 and hints[0], output[-4000:]
-    step, resume = int(hints[0][1]), shlex.split(hints[0][2])
-    assert last_checkpoint(run_dir)["global_step"] == step
-    assert step < max_steps, f"interrupted at step {step}: too late for this test"
+                     output), output[-4000:]
+    _, resume = _ctrl_c_hint(output, run_dir, tmp_path, "python", before=max_steps)
+    assert returncode == 130, output[-4000:]
+    assert "Traceback" not in output, output[-4000:]
+
+    # 3. the printed command, as a user would paste it (with this environment's python), bounded
+    resume[0] = sys.executable
+    check(subprocess.run([*resume, f"trainer.max_steps={max_steps}", "fault.slow_rank=-1"], cwd=tmp_path, env=_clean_env(),
+                         capture_output=True, text=True, timeout=180))
+    stopped = last_checkpoint(run_dir)
+    assert (stopped["epoch"], stopped["batch_in_epoch"], stopped["global_step"]) == (1, 5, max_steps)
+
+    # 4. torchrun resumes it at step 13; Ctrl-C once it has saved step 14
+    process = start([str(TORCHRUN), "--nproc_per_node=2", str(TRAIN), *EXACT_DDP, *slowed, "fault.slow_ms=3000",
+                     "checkpoint.every_n_steps=1", pinned, "resume=outputs/run"], tmp_path)
+    deadline = time.monotonic() + 180
+    while not (run_dir / "checkpoints" / f"step-{max_steps + 1:08d}.pt").exists():
+        assert process.poll() is None and time.monotonic() < deadline, (tmp_path / "stderr.txt").read_text()[-3000:]
+        time.sleep(0.1)
+    ctrl_c(process)
+    returncode, stdout, stderr = finish(process, tmp_path)
+    output = stdout + stderr
+    assert re.search(rf"resumed from \S+ at epoch 1, batch 5, step {max_steps}\b", stdout), output[-4000:]
+    _, resume = _ctrl_c_hint(output, run_dir, tmp_path, "torchrun", before=16)
     # torchrun exits 1 with its own SignalException traceback, once its workers have saved.
     assert returncode == 1 and "SignalException" in stderr, output[-4000:]
     assert f'File "{TRAIN}"' not in output, output[-4000:]
 
-    # 3. the printed command, as a user would paste it (with this environment's torchrun), bounded
-    assert resume[0] == "torchrun"
-    assert resume[-1] == f"resume={os.path.relpath(run_dir, tmp_path)}"
+    # 5. the printed command, as a user would paste it (with this environment's torchrun), to the end
     resume[0] = str(TORCHRUN)
-    check(subprocess.run([*resume, f"trainer.max_steps={max_steps}", "fault.slow_rank=-1"], cwd=tmp_path, env=_clean_env(),
-                         capture_output=True, text=True, timeout=180))
-    stopped = last_checkpoint(run_dir)
-    assert (stopped["epoch"], stopped["batch_in_epoch"], stopped["global_step"]) == (1, 6, max_steps)
-
-    # 4. extended to its 2 epochs
-    check(torchrun([*EXACT_DDP, pinned, "resume=outputs/run"], tmp_path))
+    check(subprocess.run([*resume, "fault.slow_rank=-1"], cwd=tmp_path, env=_clean_env(), capture_output=True, text=True,
+                         timeout=180))
     assert_bit_identical(last_checkpoint(run_dir), exact_ddp_reference[1])
 
 

@@ -39,13 +39,23 @@ def evaluate_checkpoint(run_dir) -> dict:
     return evaluate(model, build_val_loader(splits.val, cfg.data, DistEnv(), pin_memory=False), torch.device("cpu"), -1, ClassificationTask())
 
 
-def test_four_runs_started_together_get_four_dirs_each_holding_its_own_run(tmp_path):
-    seeds = (1, 2, 3, 4)
-    results = start_together([[sys.executable, str(TRAIN), *TINY, "trainer.max_epochs=1", f"seed={seed}"] for seed in seeds],
-                             tmp_path)
-    for result in results:
+def test_launches_of_every_kind_started_together_get_a_complete_dir_each(tmp_path):
+    """Six launches started at the same moment in one working dir: two plain runs, two torchrun launches
+    (2 ranks) and two sweeps (2 jobs each). (One batch for what were three tests of two or four launches
+    of one kind: the same races, and more of them at once.)
+    - the four runs (two plain, two torchrun) get four dirs, each holding its own run (its seed, and
+      results that its own last.pt reproduces);
+    - each torchrun launch's dir holds both ranks' logs, one events file and a world_size=2 result,
+      and the launches leave no claims behind;
+    - the two sweeps get two complete sweep dirs."""
+    plain = [sys.executable, str(TRAIN), *TINY, "trainer.max_epochs=1"]
+    on_two_ranks = [str(TORCHRUN), "--nproc_per_node=2", str(TRAIN), "strategy=ddp", *TINY, "trainer.max_epochs=1"]
+    sweep = [sys.executable, str(TRAIN), "-m", *TINY, "trainer.max_epochs=1", "data.batch_size=16,32"]
+    seeds = {1: plain, 2: plain, 3: on_two_ranks, 4: on_two_ranks}
+    for result in start_together([[*command, f"seed={seed}"] for seed, command in seeds.items()] + [sweep, sweep], tmp_path):
         check(result)
-    dirs = run_dirs(tmp_path)
+
+    dirs = [run_dir for run_dir in run_dirs(tmp_path) if "multirun" not in run_dir.relative_to(tmp_path).parts]
     assert len(dirs) == 4, dirs
     found = set()
     for run_dir in dirs:
@@ -56,34 +66,23 @@ def test_four_runs_started_together_get_four_dirs_each_holding_its_own_run(tmp_p
         recomputed = evaluate_checkpoint(run_dir)
         assert (recomputed["val_accuracy"], recomputed["val_samples"]) == (reported["val_accuracy"], reported["val_samples"])
         assert abs(recomputed["val_loss"] - reported["val_loss"]) <= 1e-6 * reported["val_loss"]
+        ranks = sorted(p.name for p in run_dir.glob("train_rank*.log"))
+        if seeds[seed] is on_two_ranks:
+            assert ranks == ["train_rank0.log", "train_rank1.log"], run_dir
+            assert reported["world_size"] == 2
+        else:
+            assert ranks == ["train_rank0.log"], run_dir
         found.add(seed)
     assert found == set(seeds)
+    assert not (tmp_path / "outputs" / ".launches").exists()  # each torchrun launch removed its claims when it ended
 
-
-def test_two_torchrun_launches_started_together_get_two_complete_dirs(tmp_path):
-    command = [str(TORCHRUN), "--nproc_per_node=2", str(TRAIN), "strategy=ddp", *TINY, "trainer.max_epochs=1"]
-    for result in start_together([command, command], tmp_path):
-        check(result)
-    dirs = run_dirs(tmp_path)
-    assert len(dirs) == 2, dirs
-    for run_dir in dirs:
-        assert sorted(p.name for p in run_dir.glob("train_rank*.log")) == ["train_rank0.log", "train_rank1.log"]
-        assert len(list(run_dir.glob("events.out.tfevents*"))) == 1
-        assert json.loads((run_dir / "results.json").read_text())["world_size"] == 2
-    assert not (tmp_path / "outputs" / ".launches").exists()  # each launch removed its claims when it ended
-
-
-def test_two_sweeps_started_together_get_two_complete_sweep_dirs(tmp_path):
-    command = [sys.executable, str(TRAIN), "-m", *TINY, "trainer.max_epochs=1", "data.batch_size=16,32"]
-    for result in start_together([command, command], tmp_path):
-        check(result)
     sweeps = sorted((tmp_path / "outputs" / "multirun").iterdir())
     assert len(sweeps) == 2, sweeps
-    for sweep in sweeps:
-        assert job_numbers(sweep) == [0, 1]
-        assert len((sweep / "summary.csv").read_text().splitlines()) == 3  # header and two jobs
+    for sweep_dir in sweeps:
+        assert job_numbers(sweep_dir) == [0, 1]
+        assert len((sweep_dir / "summary.csv").read_text().splitlines()) == 3  # header and two jobs
         for job in (0, 1):
-            assert len(list(job_dir(sweep, job).glob("events.out.tfevents*"))) == 1
+            assert len(list(job_dir(sweep_dir, job).glob("events.out.tfevents*"))) == 1
 
 
 def test_resume_of_a_run_that_is_still_training_is_refused_and_the_run_goes_on_untouched(tmp_path):
