@@ -57,6 +57,43 @@ def launch(args: list[str], cwd: Path, nproc: int | None = None, env: dict | Non
     )
 
 
+def run_in_this_process(overrides: list[str], run_dir: Path) -> dict:
+    """train.run on the config `overrides` compose, with `run_dir` as its run dir (made here if new),
+    in this process and its working dir; what it returns. For a single-process run whose property is
+    the training's, not the launch's: a launch costs seconds of start-up (torch, dynamo, Hydra) for a
+    run of a fraction of that. No console or train_rank0.log (Hydra's job logging is the launch's):
+    its log records reach caplog."""
+    from hydra import compose, initialize_config_dir
+
+    import train
+
+    run_dir.mkdir(parents=True, exist_ok=True)
+    with initialize_config_dir(config_dir=str(REPO / "conf"), version_base="1.3"):
+        cfg = compose("config", overrides=overrides)
+    return train.run(cfg, run_dir, relaunch="")
+
+
+def config_error_in_this_process(overrides: list[str], run_dir: Path) -> str:
+    """The one line of the ConfigError that train.run raises on `overrides` in this process, before
+    `run_dir`, a process group, an event file or a checkpoint exists. (The command line prints such
+    an error as one `error:` line and exits 1: tests/test_bad_input.py.)"""
+    from hydra import compose, initialize_config_dir
+
+    import train
+    from ddp.config import ConfigError
+
+    with initialize_config_dir(config_dir=str(REPO / "conf"), version_base="1.3"):
+        cfg = compose("config", overrides=overrides)
+    with pytest.raises(ConfigError) as error:
+        train.run(cfg, run_dir, relaunch="")
+    line = str(error.value)
+    assert "\n" not in line, line
+    assert not torch.distributed.is_initialized()
+    assert not run_dir.exists()  # and so no checkpoint in it
+    assert not list(Path.cwd().rglob("events.out.tfevents*"))
+    return line
+
+
 def sigterm_when(process: subprocess.Popen, ready: Callable[[], bool], output: Callable[[], str],
                  before_signal: Callable[[], None] = lambda: None, timeout_s: float = 90) -> int:
     """Once `ready()`, SIGTERM to `process` (started in a session of its own); returns its exit code.
@@ -288,13 +325,17 @@ def exact_ddp_reference(tmp_path_factory):
 
 @pytest.fixture(scope="session")
 def exact_single_reference(tmp_path_factory):
-    """EXACT_SINGLE uninterrupted for EXACT_SINGLE_STEPS steps in one process: (run dir, its final last.pt)."""
-    steps = [*EXACT_SINGLE, f"trainer.max_steps={EXACT_SINGLE_STEPS}"]
-    cwd, _ = shared_run("exact_single_reference", lambda cwd: check(launch(steps, cwd)), tmp_path_factory)
-    (run_dir,) = run_dirs(cwd)
-    checkpoint = torch.load(run_dir / "checkpoints" / "last.pt", weights_only=True)
+    """EXACT_SINGLE uninterrupted for EXACT_SINGLE_STEPS steps in one process (train.run in a test
+    process; tests/test_interrupts.py resumes a launched run to end equal to it): (run dir, its final last.pt)."""
+    def produce(cwd: Path) -> None:
+        with pytest.MonkeyPatch.context() as monkeypatch:
+            monkeypatch.chdir(cwd)
+            run_in_this_process([*EXACT_SINGLE, f"trainer.max_steps={EXACT_SINGLE_STEPS}"], cwd / "run")
+
+    cwd, _ = shared_run("exact_single_reference", produce, tmp_path_factory)
+    checkpoint = torch.load(cwd / "run" / "checkpoints" / "last.pt", weights_only=True)
     assert checkpoint["global_step"] == EXACT_SINGLE_STEPS
-    return run_dir, checkpoint
+    return cwd / "run", checkpoint
 
 
 def _restartable_env() -> dict:
@@ -355,21 +396,3 @@ def killed_and_restarted(tmp_path_factory):
     restart keeps its dir while the other launch prunes claims)."""
     cwd, result = shared_run("killed_and_restarted", _kill_and_restart_past_a_pruning_launch, tmp_path_factory)
     return cwd / result["run_dir"], result["stdout"]
-
-
-# --- speed2-b: train.run in the test process -----------------------------------------------------------
-# A single-process run whose property is the training's, not the launch's, runs in the test process:
-# a launch costs seconds of start-up (torch, dynamo, Hydra) for a run of a fraction of that.
-
-def run_in_this_process(overrides: list[str], run_dir: Path) -> dict:
-    """train.run on the config `overrides` compose, with `run_dir` as its run dir (made here if new),
-    in this process and its working dir; what it returns. No console or train_rank0.log: Hydra's job
-    logging is the launch's (test_trainer.py resumes a run dir through a launch)."""
-    from hydra import compose, initialize_config_dir
-
-    import train
-
-    run_dir.mkdir(parents=True, exist_ok=True)
-    with initialize_config_dir(config_dir=str(REPO / "conf"), version_base="1.3"):
-        cfg = compose("config", overrides=overrides)
-    return train.run(cfg, run_dir, relaunch="")

@@ -4,6 +4,7 @@ What must hold: one run dir, every sample of the interrupted epoch trained exact
 by each rank through fault.record_samples_dir), and the global batch kept by trainer.global_batch_size."""
 
 import json
+import logging
 import os
 import re
 import signal
@@ -17,7 +18,7 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from conftest import TINY, TORCHRUN, TRAIN, check, free_port, launch, run_dirs, sigterm_when
+from conftest import TINY, TORCHRUN, TRAIN, free_port, run_dirs, run_in_this_process, sigterm_when
 from train import TrainingLength
 
 # 96 samples, batch 4: 2 ranks take 12 steps per epoch; one process accumulates 2 batches per step.
@@ -127,10 +128,11 @@ def test_losing_a_node_mid_epoch_the_survivor_trains_every_sample_once(tmp_path)
     print(f"elastic scale-down: {wall_s:.1f} s")
 
 
-def test_stopped_at_an_epochs_partial_last_batch_two_ranks_resume_in_one_process(tmp_path):
+def test_stopped_at_an_epochs_partial_last_batch_two_ranks_resume_in_one_process(tmp_path, monkeypatch, caplog):
     """100 samples on 2 ranks x batch 8: 7 steps an epoch, the last of 2 samples per rank. Stopped at
     epoch 0's end (ranks agree on a SIGTERM only at log steps, here none, and at an epoch's end), the
-    run dir resumes in one process: at that end, with 100 samples of the epoch trained, not 7 x 16."""
+    run dir resumes in one process (train.run in this one): at that end, with 100 samples of the
+    epoch trained, not 7 x 16."""
     args = [*TINY, "data.num_samples=100", "data.batch_size=8", "trainer.log_every_n_steps=100", "checkpoint.every_n_steps=0",
             "hydra.run.dir=outputs/run"]
     run_dir, samples = tmp_path / "outputs" / "run", tmp_path / "samples"
@@ -147,10 +149,11 @@ def test_stopped_at_an_epochs_partial_last_batch_two_ranks_resume_in_one_process
     assert (checkpoint["epoch"], checkpoint["batch_in_epoch"], checkpoint["global_step"]) == (0, 7, 7)
     assert checkpoint["samples_in_epoch"] == 100
 
-    result = launch(["strategy=single", *args, "trainer.max_epochs=2", "resume=outputs/run", "fault.record_samples_dir=resumed"],
-                    tmp_path)
-    check(result)
-    assert "at epoch 0, batch 12, step 7 (100 samples of the epoch trained)" in result.stdout, result.stdout[-4000:]
+    monkeypatch.chdir(tmp_path)
+    with caplog.at_level(logging.INFO):
+        run_in_this_process(["strategy=single", *args, "trainer.max_epochs=2", "resume=outputs/run",
+                             "fault.record_samples_dir=resumed"], run_dir)
+    assert "at epoch 0, batch 12, step 7 (100 samples of the epoch trained)" in caplog.text, caplog.text[-4000:]
     before, after = records(samples, attempt=0), records(tmp_path / "resumed", attempt=0)
     assert sorted(i for r in before for i in r["ids"]) == list(range(100))  # all of epoch 0, none of epoch 1
     assert {r["epoch"] for r in before} == {0} and {r["epoch"] for r in after} == {1}

@@ -7,14 +7,18 @@ uninterrupted reference run (`assert_bit_identical`; the references are tests/co
 `exact_ddp_reference` and `exact_single_reference`, which tests/test_interrupts.py compares with too).
 
 Determinism (the same config twice gives the same run) has no run of its own: every resumed run
-below trained its first steps afresh, in a process of its own, and continued from a checkpoint
-that those fresh steps wrote, with the same code that a fresh run trains with; so it ends
-bit-identical to the reference only if the fresh steps were (the killed and the corrupted-checkpoint
-runs, 2 ranks; the max_steps extension, 1 process; tests/test_interrupts.py's Ctrl-C and SIGTERM runs).
+below trained its first steps afresh and continued from a checkpoint that those fresh steps wrote,
+with the same code that a fresh run trains with; so it ends bit-identical to the reference only if
+the fresh steps were (the killed and the corrupted-checkpoint runs, 2 ranks; the max_steps
+extension, 1 process; tests/test_interrupts.py's Ctrl-C and SIGTERM runs). The one-process runs
+here (the reference, the max_steps stop and its extensions) are train.run in a test process: a
+launch would cost more start-up than the run; tests/test_interrupts.py's Ctrl-C'd `python train.py`
+is a process of its own that must end equal to that reference too.
 """
 
 import ast
 import json
+import logging
 import os
 import pickletools
 import random
@@ -36,7 +40,8 @@ from torch.utils.data import DistributedSampler
 from conftest import EXACT_DATA as DATA
 from conftest import EXACT_DDP as EXACT
 from conftest import EXACT_SINGLE as EXTEND
-from conftest import EXACT_SINGLE_STEPS, REPO, TORCHRUN, TRAIN, check, launch, run_dirs, shared_run
+from conftest import (EXACT_SINGLE_STEPS, REPO, TORCHRUN, TRAIN, check, config_error_in_this_process,
+                      run_in_this_process, shared_run)
 from ids_and_noise import IdsAndNoise
 from ddp.checkpoint import CheckpointError, load_checkpoint, save_checkpoint, save_step_checkpoint
 from ddp.env import DistEnv
@@ -110,18 +115,8 @@ def last_checkpoint(run_dir: Path) -> dict:
     return torch.load(run_dir / "checkpoints" / "last.pt", weights_only=True)
 
 
-def the_run_dir(cwd: Path) -> Path:
-    dirs = run_dirs(cwd)
-    assert len(dirs) == 1, dirs
-    return dirs[0]
-
-
 def rank_log(run_dir: Path, rank: int) -> str:
     return (run_dir / f"train_rank{rank}.log").read_text()
-
-
-def error_lines(result) -> list[str]:
-    return [line for line in result.stderr.splitlines() if line.startswith("error:")]
 
 
 @pytest.fixture(scope="module")
@@ -367,7 +362,7 @@ def _malicious_checkpoint(path: Path, marker: Path) -> Path:
     return path
 
 
-def test_checkpoint_with_pickled_code_is_refused_and_never_run(tmp_path):
+def test_checkpoint_with_pickled_code_is_refused_and_never_run(tmp_path, monkeypatch):
     marker = tmp_path / "marker"
     evil = _malicious_checkpoint(tmp_path / "evil.pt", marker)
     # The payload is real (read without unpickling): the pickle calls os.system with the touch command.
@@ -379,9 +374,8 @@ def test_checkpoint_with_pickled_code_is_refused_and_never_run(tmp_path):
         load_checkpoint(evil)
     assert not marker.exists()
 
-    result = launch([*SINGLE, f"resume={evil}"], tmp_path, timeout=120)
-    assert result.returncode != 0, output(result)
-    (line,) = error_lines(result)
+    monkeypatch.chdir(tmp_path)
+    line = config_error_in_this_process([*SINGLE, f"resume={evil}"], tmp_path / "run")
     assert "refused" in line and str(evil) in line, line
     assert not marker.exists()
 
@@ -434,13 +428,11 @@ def _torch_mismatch(model, state: dict) -> tuple[list, list, list]:
     (["model.channels=[8,32]", "model.dropout=0.3"], lambda: SmallCNN(num_classes=10, in_channels=3, channels=[8, 32])),
     (["model=resnet18"], lambda: build_resnet18(num_classes=10, in_channels=3, small_input=True)),
 ], ids=["different_shapes", "different_keys"])
-def test_resume_into_a_different_model_is_one_error_line(reference, tmp_path, model_args, model):
+def test_resume_into_a_different_model_is_one_error_line(reference, tmp_path, monkeypatch, model_args, model):
     source = reference[0] / "checkpoints" / "last.pt"
     args = [arg for arg in SINGLE if not arg.startswith("model.")]
-    result = launch([*args, *model_args, f"resume={source}"], tmp_path, timeout=120)
-    assert result.returncode == 1, output(result)
-    assert len(error_lines(result)) == 1 and len(result.stderr.strip().splitlines()) == 1, result.stderr
-    line = error_lines(result)[0]
+    monkeypatch.chdir(tmp_path)
+    line = config_error_in_this_process([*args, *model_args, f"resume={source}"], tmp_path / "run")
     assert str(source) in line, line
     listed = re.search(r"missing keys (\[.*?\]), unexpected keys (\[.*?\]), different shapes (\[.*?\])$", line)
     missing, unexpected, reshaped = (ast.literal_eval(group) for group in listed.groups())
@@ -492,11 +484,10 @@ def test_a_rank_killed_hard_leaves_no_loader_process_behind():
 
 # 12 --------------------------------------------------------------------------------------------
 
-def test_resume_from_a_missing_path_starts_nothing(tmp_path):
+def test_resume_from_a_missing_path_starts_nothing(tmp_path, monkeypatch):
     missing = tmp_path / "nowhere" / "last.pt"
-    result = launch([*SINGLE, f"resume={missing}"], tmp_path, timeout=120)
-    assert result.returncode == 1, output(result)
-    (line,) = error_lines(result)
+    monkeypatch.chdir(tmp_path)
+    line = config_error_in_this_process([*SINGLE, f"resume={missing}"], tmp_path / "run")
     assert str(missing) in line and "not found" in line, line
     assert not list(tmp_path.rglob("events.out.tfevents*"))
     assert not list(tmp_path.rglob("*.pt"))
@@ -510,10 +501,15 @@ def test_resume_from_a_missing_path_starts_nothing(tmp_path):
 @pytest.fixture(scope="module")
 def stopped_at_step_5(tmp_path_factory):
     """A run cut short by trainer.max_steps=5, a third of the way into its first epoch: its run dir.
-    Run once for all test processes (conftest.shared_run); tests copy it before they resume it."""
-    cwd, _ = shared_run("fault_tolerance_max_steps_5", lambda cwd: check(launch([*EXTEND, "trainer.max_steps=5"], cwd)),
-                    tmp_path_factory)
-    return the_run_dir(cwd)
+    Run once for all test processes (conftest.shared_run), by train.run in a test process; tests copy
+    it before they resume it."""
+    def produce(cwd: Path) -> None:
+        with pytest.MonkeyPatch.context() as monkeypatch:
+            monkeypatch.chdir(cwd)
+            run_in_this_process([*EXTEND, "trainer.max_steps=5"], cwd / "run")
+
+    cwd, _ = shared_run("fault_tolerance_max_steps_5", produce, tmp_path_factory)
+    return cwd / "run"
 
 
 def test_a_max_steps_stop_mid_epoch_records_where_it_stopped(stopped_at_step_5):
@@ -524,18 +520,22 @@ def test_a_max_steps_stop_mid_epoch_records_where_it_stopped(stopped_at_step_5):
     assert results["epoch_progress"] == 5 / 16
 
 
-def test_extending_a_max_steps_run_is_bit_identical_to_running_that_long(stopped_at_step_5, exact_single_reference, tmp_path):
+def test_extending_a_max_steps_run_is_bit_identical_to_running_that_long(stopped_at_step_5, exact_single_reference, tmp_path,
+                                                                         monkeypatch, caplog):
     """Train 5 steps, look, then resume the run dir with a larger max_steps, twice: to step 10, within
     the epoch, then to step 20, across an epoch boundary: the same as 20 steps straight
     (exact_single_reference). Without loader workers the augmentation draws from the global RNG as
     each batch loads: a run stopped by max_steps must load no batch past its last update, or its
     checkpoint holds the RNG after a draw that the run never trained on, and the extended run draws
     differently (and so does every later step, up to the end compared here).
-    2 ranks with loader workers: a max_steps stop mid-epoch, extended to the end, in tests/test_interrupts.py."""
+    Each part by train.run in this process (the launches of the same story: 2 ranks with loader
+    workers, a max_steps stop mid-epoch extended to the end, in tests/test_interrupts.py)."""
     extended = tmp_path / "extended" / "run"
     shutil.copytree(stopped_at_step_5, extended)
+    monkeypatch.chdir(extended.parent)
     for start, steps in ((5, 10), (10, EXACT_SINGLE_STEPS)):
-        result = launch([*EXTEND, f"trainer.max_steps={steps}", f"resume={extended}"], tmp_path / "extended")
-        check(result)
-        assert f"at epoch 0, batch {start}, step {start}" in result.stdout, output(result)
+        caplog.clear()
+        with caplog.at_level(logging.INFO):
+            run_in_this_process([*EXTEND, f"trainer.max_steps={steps}", f"resume={extended}"], extended)
+        assert f"at epoch 0, batch {start}, step {start}" in caplog.text, caplog.text
     assert_bit_identical(last_checkpoint(extended), exact_single_reference[1])

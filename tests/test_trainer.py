@@ -1,6 +1,7 @@
-"""What the trainer's knobs and measurements promise, checked on real single-process runs of
-train.py: batch limits, validation cadence, checkpoint pruning, resuming a run dir, the steady-state
-throughput window, per-run peak memory, and real training of resnet18 and of an ImageFolder."""
+"""What the trainer's knobs and measurements promise, checked on real single-process runs (train.run
+in the test process where the property is the training's, train.py launched where it is the
+launch's): batch limits, validation cadence, checkpoint pruning, resuming a run dir, the
+steady-state throughput window, per-run peak memory, and real training of resnet18 and of an ImageFolder."""
 
 import json
 import logging
@@ -12,7 +13,7 @@ import torch
 import torchvision
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
-from conftest import TINY, check, job_dir, launch, load_last, load_results, run_dirs, run_in_this_process, write_imagefolder
+from conftest import TINY, check, job_dir, launch, run_in_this_process, write_imagefolder
 from models.resnet import build_resnet18
 
 # 4 epochs of 3 batches (limit_train_batches), validation on 2 batches of 8 after epochs 3 and 4,
@@ -32,15 +33,33 @@ def scalars(run_dir, tag: str) -> list:
 
 @pytest.fixture(scope="module")
 def knobs_run(tmp_path_factory):
-    cwd = tmp_path_factory.mktemp("knobs")
-    result = launch(KNOBS, cwd)
-    check(result)
-    return run_dirs(cwd)[0], result
+    """KNOBS by train.run in this process (what is checked is the training's; resuming its run dir
+    through a launch: below): (run dir, its log records' text)."""
+    run_dir = tmp_path_factory.mktemp("knobs") / "run"
+    records = []
+    handler = logging.Handler(logging.INFO)
+    handler.emit = lambda record: records.append(record.getMessage())
+    root = logging.getLogger()
+    level = root.level
+    root.addHandler(handler)
+    root.setLevel(logging.INFO)
+    try:
+        with pytest.MonkeyPatch.context() as monkeypatch:
+            monkeypatch.chdir(run_dir.parent)
+            run_in_this_process(KNOBS, run_dir)
+    finally:
+        root.removeHandler(handler)
+        root.setLevel(level)
+    return run_dir, "\n".join(records)
+
+
+def results_of(run_dir: Path) -> dict:
+    return json.loads((run_dir / "results.json").read_text())
 
 
 def test_batch_limits_and_validation_cadence(knobs_run):
     run_dir, _ = knobs_run
-    results = load_results(run_dir.parents[1])
+    results = results_of(run_dir)
     assert (results["steps"], results["epochs"]) == (12, 4)
     assert results["val_samples"] == 16  # 2 batches of 8: limit_val_batches
     assert [e.step for e in scalars(run_dir, "train/loss")] == list(range(1, 13))
@@ -56,21 +75,22 @@ def test_keep_last_prunes_older_step_checkpoints(knobs_run):
 
 def test_warmup_steps_are_left_out_of_samples_per_s(knobs_run):
     """All 12 steps are warm-up: no steady-state throughput to report, rather than a made-up one."""
-    results = load_results(knobs_run[0].parents[1])
+    results = results_of(knobs_run[0])
     assert results["samples_per_s"] is None
 
 
 def test_lr_scaling_sets_the_lr_that_is_used_logged_and_reported(knobs_run):
-    run_dir, result = knobs_run
-    assert load_results(run_dir.parents[1])["lr"] == pytest.approx(0.025)  # 0.05 * sqrt(8 / 32)
-    assert " lr=0.025 " in result.stdout
+    run_dir, log = knobs_run
+    assert results_of(run_dir)["lr"] == pytest.approx(0.025)  # 0.05 * sqrt(8 / 32)
+    assert " lr=0.025 " in log
     assert [e.value for e in scalars(run_dir, "train/lr")] == pytest.approx([0.025] * 12)
-    assert load_last(run_dir.parents[1])["optimizer"]["param_groups"][0]["lr"] == pytest.approx(0.025)
+    last = torch.load(run_dir / "checkpoints" / "last.pt", weights_only=True)
+    assert last["optimizer"]["param_groups"][0]["lr"] == pytest.approx(0.025)
 
 
 def test_syncbn_with_one_process_warns_that_it_changes_nothing(knobs_run):
-    _, result = knobs_run
-    assert "syncbn=true has no effect with strategy=single: one process, so BatchNorm already sees the whole batch" in result.stdout
+    _, log = knobs_run
+    assert "syncbn=true has no effect with strategy=single: one process, so BatchNorm already sees the whole batch" in log
 
 
 def test_resume_of_a_run_dir_continues_in_that_dir(knobs_run, tmp_path):
