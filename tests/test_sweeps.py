@@ -131,6 +131,12 @@ def assert_one_run_per_job_dir(cwd: Path, sweep_dir: Path, log_names: set[str]) 
 
 # --- 1. plain multirun -------------------------------------------------------------------------
 
+def shared_sweep(name: str, produce, tmp_path_factory) -> tuple[Path, Path, SimpleNamespace]:
+    """produce(cwd)'s multirun, once for all test processes (shared_run): (cwd, its sweep dir, the process)."""
+    cwd, result = shared_run(name, produce, tmp_path_factory)
+    return cwd, the_sweep_dir(cwd), SimpleNamespace(**result)
+
+
 def run_single_sweep(cwd: Path) -> dict:
     result = launch(["-m", "strategy=single", *SMALL, SWEEP_BATCH], cwd)
     check(result)
@@ -139,8 +145,7 @@ def run_single_sweep(cwd: Path) -> dict:
 
 @pytest.fixture
 def single_sweep(tmp_path_factory):
-    cwd, result = shared_run("single_sweep", run_single_sweep, tmp_path_factory)
-    return cwd, the_sweep_dir(cwd), SimpleNamespace(**result)
+    return shared_sweep("single_sweep", run_single_sweep, tmp_path_factory)
 
 
 def test_single_sweep_has_a_job_dir_per_job_and_a_summary_row_per_job(single_sweep):
@@ -189,8 +194,7 @@ def run_ddp_optuna_search(cwd: Path) -> dict:
 
 @pytest.fixture
 def ddp_optuna_search(tmp_path_factory):
-    cwd, result = shared_run("ddp_optuna_search", run_ddp_optuna_search, tmp_path_factory)
-    return cwd, the_sweep_dir(cwd), SimpleNamespace(**result)
+    return shared_sweep("ddp_optuna_search", run_ddp_optuna_search, tmp_path_factory)
 
 
 def test_self_launched_ddp_sweep_one_run_per_job_with_the_global_batch(ddp_optuna_search):
@@ -258,8 +262,7 @@ def run_failing_sweep(cwd: Path) -> dict:
 
 @pytest.fixture
 def failing_sweep(tmp_path_factory):
-    cwd, result = shared_run("failing_sweep", run_failing_sweep, tmp_path_factory)
-    return cwd, the_sweep_dir(cwd), SimpleNamespace(**result)
+    return shared_sweep("failing_sweep", run_failing_sweep, tmp_path_factory)
 
 
 def test_plain_sweep_runs_the_other_jobs_and_reports_the_failed_one(failing_sweep):
