@@ -208,10 +208,16 @@ def plain_ddp_run(tmp_path_factory):
 
 
 @pytest.fixture(scope="session")
-def single_run(tmp_path_factory):
-    """The same training as ddp_run in one process with the global batch of 16, once for all test processes."""
-    cwd, result = shared_run("single_run", _checked_launch(["strategy=single", *TINY, "data.batch_size=16"]), tmp_path_factory)
-    return cwd, _completed(result)
+def single_run(tmp_path_factory) -> Path:
+    """The same training as ddp_run in one process with the global batch of 16, once for all test
+    processes, by train.run in a test process: its run dir."""
+    def produce(cwd: Path) -> None:
+        with pytest.MonkeyPatch.context() as monkeypatch:
+            monkeypatch.chdir(cwd)
+            run_in_this_process(["strategy=single", *TINY, "data.batch_size=16"], cwd / "run")
+
+    cwd, _ = shared_run("single_run", produce, tmp_path_factory)
+    return cwd / "run"
 
 
 def write_imagefolder(root: Path, classes=("cat", "dog"), per_class: int | dict[str, int] = 3,

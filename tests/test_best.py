@@ -15,7 +15,7 @@ from hydra import compose, initialize_config_dir
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
 import train
-from conftest import REPO, check, job_dir, launch, run_dirs, run_in_this_process
+from conftest import REPO, check, launch, run_dirs, run_in_this_process
 from ddp.config import ConfigError
 from test_fault_tolerance import assert_bit_identical, assert_same_state
 
@@ -58,11 +58,14 @@ def scalars(run_dir: Path, tag: str) -> list[tuple[int, float]]:
 
 @pytest.fixture(scope="module")
 def ranked_runs(tmp_path_factory) -> dict[str, Path]:
-    """RANKED_BY's runs, the jobs of one multirun (one process start): {best_of: run dir}."""
+    """RANKED_BY's runs, by train.run in this process (a launch costs seconds of start-up; a sweep
+    that ranks its jobs: below): {best_of: run dir}."""
     cwd = tmp_path_factory.mktemp("best")
-    check(launch(["-m", *BEST, "ema.decay=0.9", "checkpoint.best_of=model,ema"], cwd))
-    (sweep,) = (cwd / "outputs" / "multirun").iterdir()
-    runs = {"model": job_dir(sweep, 0), "ema": job_dir(sweep, 1)}
+    runs = {best_of: cwd / best_of for best_of in RANKED_BY}
+    with pytest.MonkeyPatch.context() as monkeypatch:
+        monkeypatch.chdir(cwd)
+        for best_of, run_dir in runs.items():
+            run_in_this_process(RANKED_BY[best_of], run_dir)
     assert all(load(run_dir / "checkpoints" / "last.pt")["config"]["checkpoint"]["best_of"] == best_of
                for best_of, run_dir in runs.items())
     return runs

@@ -109,9 +109,8 @@ def test_safetensors_weights_load(tmp_path):
 
 def test_our_own_checkpoint_gives_its_model_weights(single_run):
     """A run's last.pt as model.weights_path: its `model` entry, into a fresh model of the same config."""
-    (run_dir,) = run_dirs(single_run[0])
-    checkpoint = torch.load(run_dir / "checkpoints" / "last.pt", weights_only=True)
-    cfg = compose_config("model.channels=[8,16]", f"model.weights_path={run_dir / 'checkpoints' / 'last.pt'}")
+    checkpoint = torch.load(single_run / "checkpoints" / "last.pt", weights_only=True)
+    cfg = compose_config("model.channels=[8,16]", f"model.weights_path={single_run / 'checkpoints' / 'last.pt'}")
     loaded = build_model(cfg.model, num_classes=10, in_channels=3).state_dict()
     assert all(torch.equal(loaded[key], value) for key, value in checkpoint["model"].items())
 

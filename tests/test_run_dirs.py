@@ -11,7 +11,7 @@ import time
 import torch
 from omegaconf import OmegaConf
 
-from conftest import REPO, TINY, TORCHRUN, TRAIN, check, job_dir, job_numbers, launch, run_dirs
+from conftest import REPO, TINY, TORCHRUN, TRAIN, check, job_dir, job_numbers, launch, run_dirs, run_in_this_process
 from data import build_datasets
 from ddp.env import DistEnv
 from ddp.loaders import build_val_loader
@@ -85,7 +85,7 @@ def test_launches_of_every_kind_started_together_get_a_complete_dir_each(tmp_pat
             assert len(list(job_dir(sweep_dir, job).glob("events.out.tfevents*"))) == 1
 
 
-def test_resume_of_a_run_that_is_still_training_is_refused_and_the_run_goes_on_untouched(tmp_path):
+def test_resume_of_a_run_that_is_still_training_is_refused_and_the_run_goes_on_untouched(tmp_path, monkeypatch):
     """A second launch with resume=<dir> stops with one line naming the live run, writes nothing;
     the first run, stopped later by SIGTERM at step S, equals an undisturbed run of S steps.
     The first run's every step takes 200 ms longer (fault.slow_rank, a sleep: it changes no number), so
@@ -118,10 +118,11 @@ def test_resume_of_a_run_that_is_still_training_is_refused_and_the_run_goes_on_u
     steps = last_checkpoint(run_dir)["global_step"]
     undisturbed = tmp_path / "undisturbed"
     undisturbed.mkdir()
-    check(launch([*long_run, f"trainer.max_steps={steps}"], undisturbed))
+    monkeypatch.chdir(undisturbed)  # the reference: train.run in this process (a launch costs seconds of start-up)
+    run_in_this_process([*long_run, f"trainer.max_steps={steps}"], undisturbed / "run")
     # Weights and optimizer: a stop at an epoch's last step saves before the epoch's end (epoch e,
     # batch 16, to resume there), a max_steps stop after it (epoch e + 1, batch 0).
-    stopped, reference = last_checkpoint(run_dir), last_checkpoint(run_dirs(undisturbed)[0])
+    stopped, reference = last_checkpoint(run_dir), last_checkpoint(undisturbed / "run")
     assert_same_state({k: stopped[k] for k in ("model", "optimizer")}, {k: reference[k] for k in ("model", "optimizer")})
 
 
