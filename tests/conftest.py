@@ -57,33 +57,34 @@ def launch(args: list[str], cwd: Path, nproc: int | None = None, env: dict | Non
     )
 
 
+def _composed(overrides: list[str]):
+    """The config that train.py's `overrides` compose, as Hydra gives it to main."""
+    from hydra import compose, initialize_config_dir
+
+    with initialize_config_dir(config_dir=str(REPO / "conf"), version_base="1.3"):
+        return compose("config", overrides=overrides)
+
+
 def run_in_this_process(overrides: list[str], run_dir: Path) -> dict:
     """train.run on the config `overrides` compose, with `run_dir` as its run dir (made here if new),
     in this process and its working dir; what it returns. For a single-process run whose property is
     the training's, not the launch's: a launch costs seconds of start-up (torch, dynamo, Hydra) for a
     run of a fraction of that. No console or train_rank0.log (Hydra's job logging is the launch's):
     its log records reach caplog."""
-    from hydra import compose, initialize_config_dir
-
     import train
 
     run_dir.mkdir(parents=True, exist_ok=True)
-    with initialize_config_dir(config_dir=str(REPO / "conf"), version_base="1.3"):
-        cfg = compose("config", overrides=overrides)
-    return train.run(cfg, run_dir, relaunch="")
+    return train.run(_composed(overrides), run_dir, relaunch="")
 
 
 def config_error_in_this_process(overrides: list[str], run_dir: Path) -> str:
     """The one line of the ConfigError that train.run raises on `overrides` in this process, before
     `run_dir`, a process group, an event file or a checkpoint exists. (The command line prints such
     an error as one `error:` line and exits 1: tests/test_bad_input.py.)"""
-    from hydra import compose, initialize_config_dir
-
     import train
     from ddp.config import ConfigError
 
-    with initialize_config_dir(config_dir=str(REPO / "conf"), version_base="1.3"):
-        cfg = compose("config", overrides=overrides)
+    cfg = _composed(overrides)
     with pytest.raises(ConfigError) as error:
         train.run(cfg, run_dir, relaunch="")
     line = str(error.value)
@@ -211,13 +212,7 @@ def plain_ddp_run(tmp_path_factory):
 def single_run(tmp_path_factory) -> Path:
     """The same training as ddp_run in one process with the global batch of 16, once for all test
     processes, by train.run in a test process: its run dir."""
-    def produce(cwd: Path) -> None:
-        with pytest.MonkeyPatch.context() as monkeypatch:
-            monkeypatch.chdir(cwd)
-            run_in_this_process(["strategy=single", *TINY, "data.batch_size=16"], cwd / "run")
-
-    cwd, _ = shared_run("single_run", produce, tmp_path_factory)
-    return cwd / "run"
+    return shared_run_in_this_process("single_run", ["strategy=single", *TINY, "data.batch_size=16"], tmp_path_factory)
 
 
 def write_imagefolder(root: Path, classes=("cat", "dog"), per_class: int | dict[str, int] = 3,
@@ -298,6 +293,17 @@ def shared_run(name: str, produce: Callable[[Path], object], tmp_path_factory) -
     return cwd, json.loads(result_file.read_text())
 
 
+def shared_run_in_this_process(name: str, overrides: list[str], tmp_path_factory) -> Path:
+    """run_in_this_process once for all test processes (shared_run), from its dir: its run dir."""
+    def produce(cwd: Path) -> None:
+        with pytest.MonkeyPatch.context() as monkeypatch:
+            monkeypatch.chdir(cwd)
+            run_in_this_process(overrides, cwd / "run")
+
+    cwd, _ = shared_run(name, produce, tmp_path_factory)
+    return cwd / "run"
+
+
 def as_json(result: subprocess.CompletedProcess) -> dict:
     """What tests read of a finished process, for shared_run."""
     return {"returncode": result.returncode, "stdout": result.stdout, "stderr": result.stderr}
@@ -333,15 +339,11 @@ def exact_ddp_reference(tmp_path_factory):
 def exact_single_reference(tmp_path_factory):
     """EXACT_SINGLE uninterrupted for EXACT_SINGLE_STEPS steps in one process (train.run in a test
     process; tests/test_interrupts.py resumes a launched run to end equal to it): (run dir, its final last.pt)."""
-    def produce(cwd: Path) -> None:
-        with pytest.MonkeyPatch.context() as monkeypatch:
-            monkeypatch.chdir(cwd)
-            run_in_this_process([*EXACT_SINGLE, f"trainer.max_steps={EXACT_SINGLE_STEPS}"], cwd / "run")
-
-    cwd, _ = shared_run("exact_single_reference", produce, tmp_path_factory)
-    checkpoint = torch.load(cwd / "run" / "checkpoints" / "last.pt", weights_only=True)
+    run_dir = shared_run_in_this_process("exact_single_reference", [*EXACT_SINGLE, f"trainer.max_steps={EXACT_SINGLE_STEPS}"],
+                                         tmp_path_factory)
+    checkpoint = torch.load(run_dir / "checkpoints" / "last.pt", weights_only=True)
     assert checkpoint["global_step"] == EXACT_SINGLE_STEPS
-    return cwd / "run", checkpoint
+    return run_dir, checkpoint
 
 
 def _restartable_env() -> dict:

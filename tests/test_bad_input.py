@@ -11,13 +11,10 @@ import subprocess
 from pathlib import Path
 
 import pytest
-import torch.distributed as dist
 from hydra import compose, initialize_config_dir
 from hydra.errors import ConfigCompositionException
 
-import train
-from conftest import REPO, TORCHRUN, TRAIN, launch
-from ddp.config import ConfigError
+from conftest import REPO, TORCHRUN, TRAIN, config_error_in_this_process, launch
 
 # A tiny run where the case allows; a case's own args come after these, and the last override wins.
 QUICK = ["trainer.max_epochs=1", "data=synthetic", "data.num_samples=32", "data.num_val_samples=8"]
@@ -255,19 +252,11 @@ def test_our_config_errors_name_the_key_before_anything_starts(tmp_path, monkeyp
     monkeypatch.chdir(tmp_path)
     folder = setup(tmp_path) if setup else None
     args = [arg.format(tmp=tmp_path, dir=folder) for arg in args]
-    with initialize_config_dir(config_dir=str(REPO / "conf"), version_base="1.3"):
-        cfg = compose("config", overrides=args)
-    run_dir = tmp_path / "outputs" / "run"
-    with pytest.raises(ConfigError) as error:
-        train.run(cfg, run_dir, relaunch="")
-    line = str(error.value)
-    assert "\n" not in line
+    line = config_error_in_this_process(args, tmp_path / "outputs" / "run")  # one line, nothing started or written
     assert key.format(tmp=tmp_path, dir=folder) in line, line
     for part in (message,) if isinstance(message, str) else message:
         assert part in line, line
-    assert not dist.is_initialized()
-    assert not run_dir.exists()
-    assert not list(tmp_path.rglob("events.out.tfevents*")) and not list(tmp_path.rglob("*.pt"))
+    assert not list(tmp_path.rglob("*.pt"))
 
 
 # Every case raises ConfigError out of train.run (above, in process); main turns any of them into one
@@ -362,14 +351,6 @@ def test_single_strategy_under_torchrun_points_to_ddp(tmp_path, monkeypatch):
     for name, value in {"RANK": "0", "LOCAL_RANK": "0", "WORLD_SIZE": "2", "LOCAL_WORLD_SIZE": "2",
                         "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(_free_port())}.items():
         monkeypatch.setenv(name, value)
-    with initialize_config_dir(config_dir=str(REPO / "conf"), version_base="1.3"):
-        cfg = compose("config", overrides=QUICK + ["strategy=single"])
-    run_dir = tmp_path / "outputs" / "run"
-    with pytest.raises(ConfigError) as error:
-        train.run(cfg, run_dir, relaunch="")
-    line = str(error.value)
-    assert "\n" not in line
+    line = config_error_in_this_process(QUICK + ["strategy=single"], tmp_path / "outputs" / "run")
     assert "strategy=single runs one process, but 2 were started" in line and "use strategy=ddp" in line, line
-    assert not dist.is_initialized()
-    assert not run_dir.exists()
-    assert not list(tmp_path.rglob("events.out.tfevents*")) and not list(tmp_path.rglob("*.pt"))
+    assert not list(tmp_path.rglob("*.pt"))

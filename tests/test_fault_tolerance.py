@@ -41,7 +41,7 @@ from conftest import EXACT_DATA as DATA
 from conftest import EXACT_DDP as EXACT
 from conftest import EXACT_SINGLE as EXTEND
 from conftest import (EXACT_SINGLE_STEPS, REPO, TORCHRUN, TRAIN, check, config_error_in_this_process,
-                      run_in_this_process, shared_run)
+                      run_in_this_process, shared_run_in_this_process)
 from ids_and_noise import IdsAndNoise
 from ddp.checkpoint import CheckpointError, load_checkpoint, save_checkpoint, save_step_checkpoint
 from ddp.env import DistEnv
@@ -503,13 +503,7 @@ def stopped_at_step_5(tmp_path_factory):
     """A run cut short by trainer.max_steps=5, a third of the way into its first epoch: its run dir.
     Run once for all test processes (conftest.shared_run), by train.run in a test process; tests copy
     it before they resume it."""
-    def produce(cwd: Path) -> None:
-        with pytest.MonkeyPatch.context() as monkeypatch:
-            monkeypatch.chdir(cwd)
-            run_in_this_process([*EXTEND, "trainer.max_steps=5"], cwd / "run")
-
-    cwd, _ = shared_run("fault_tolerance_max_steps_5", produce, tmp_path_factory)
-    return cwd / "run"
+    return shared_run_in_this_process("fault_tolerance_max_steps_5", [*EXTEND, "trainer.max_steps=5"], tmp_path_factory)
 
 
 def test_a_max_steps_stop_mid_epoch_records_where_it_stopped(stopped_at_step_5):
