@@ -57,9 +57,15 @@ def start_worker_server(dataset: Dataset, num_workers: int):
     """
     if num_workers == 0 or not _FORK_SERVER:
         return None
-    context = multiprocessing.get_context("forkserver")
     main_script = getattr(sys.modules["__main__"], "__file__", None)
-    context.set_forkserver_preload(["torch", type(dataset).__module__, *([Path(main_script).stem] if main_script else [])])
+    return start_fork_server(["torch", type(dataset).__module__, *([Path(main_script).stem] if main_script else [])])
+
+
+def start_fork_server(preload: list[str]):
+    """Start this process's fork server, importing the modules `preload` names, and return its
+    context. Only the first call starts it: later calls get the same server, with its first preload."""
+    context = multiprocessing.get_context("forkserver")
+    context.set_forkserver_preload(preload)
     multiprocessing.resource_tracker.ensure_running()  # first: starting it unblocks the stop signals
     with _stop_signals_blocked():
         multiprocessing.forkserver.ensure_running()

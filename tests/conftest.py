@@ -24,6 +24,8 @@ import pytest  # noqa: E402
 import torch  # noqa: E402
 from PIL import Image  # noqa: E402
 
+from ddp.loader_workers import start_fork_server  # noqa: E402
+
 REPO = Path(__file__).resolve().parents[1]
 TRAIN = REPO / "train.py"
 TORCHRUN = Path(sys.executable).with_name("torchrun")
@@ -39,6 +41,16 @@ TINY = [
     "trainer.max_epochs=2",
     "trainer.log_every_n_steps=2",
 ]
+
+
+@pytest.fixture(scope="session", autouse=True)
+def loader_fork_server() -> None:
+    """The DataLoader workers of this test process all come from one fork server, which imports the
+    modules of the first loader's dataset (ddp/loader_workers.py). A rank has one dataset; this process
+    has many, and a worker whose dataset's modules the server lacks imports them itself, torchvision
+    included, seconds for each worker of each loader. So the server starts first, with them all."""
+    datasets = [f"data.{path.stem}" for path in (REPO / "data").glob("*.py")] + ["ids_and_noise"]
+    start_fork_server(["torch", "train", *datasets])
 
 
 def launch(args: list[str], cwd: Path, nproc: int | None = None, env: dict | None = None, timeout: float = 180,
