@@ -162,7 +162,7 @@ def run_dirs(cwd: Path) -> list[Path]:
 DDP_RUN = ["strategy=ddp", "syncbn=true", *TINY, "checkpoint.keep_best=0"]
 
 
-def _checked_launch(args: list[str], nproc: int | None = None, env: dict | None = None, script: Path = TRAIN):
+def checked_launch(args: list[str], nproc: int | None = None, env: dict | None = None, script: Path = TRAIN):
     """produce for shared_run: launch in its dir, check, and keep what tests read of the process."""
     def produce(cwd: Path) -> dict:
         result = launch(args, cwd, nproc=nproc, env=env(cwd) if env else None, script=script)
@@ -171,7 +171,7 @@ def _checked_launch(args: list[str], nproc: int | None = None, env: dict | None 
     return produce
 
 
-def _completed(result: dict) -> subprocess.CompletedProcess:
+def completed_process(result: dict) -> subprocess.CompletedProcess:
     """A finished process as shared_run kept it (as_json), read as the process itself."""
     return subprocess.CompletedProcess([], result["returncode"], result["stdout"], result["stderr"])
 
@@ -179,8 +179,8 @@ def _completed(result: dict) -> subprocess.CompletedProcess:
 @pytest.fixture(scope="session")
 def ddp_run(tmp_path_factory):
     """DDP_RUN under torchrun --nproc_per_node=2, once for all test processes (shared_run)."""
-    cwd, result = shared_run("ddp_run", _checked_launch(DDP_RUN, nproc=2), tmp_path_factory)
-    return cwd, _completed(result)
+    cwd, result = shared_run("ddp_run", checked_launch(DDP_RUN, nproc=2), tmp_path_factory)
+    return cwd, completed_process(result)
 
 
 def final_weights(run_dir: Path) -> dict[str, torch.Tensor]:
@@ -214,10 +214,10 @@ def plain_ddp_run(tmp_path_factory):
 
     args = ["strategy=ddp", *TINY, "model.dropout=0.2", "trainer.log_every_n_steps=4", "checkpoint.every_n_steps=0",
             "precision=16", "trainer.gradient_clip_norm=0.5", "ema.decay=0.9", "fault.slow_rank=1", "fault.slow_ms=100"]
-    cwd, result = shared_run("plain_ddp_run", _checked_launch(args, nproc=2, env=watched,
+    cwd, result = shared_run("plain_ddp_run", checked_launch(args, nproc=2, env=watched,
                                                              script=REPO / "tests" / "workers" / "instrumented_train.py"),
                              tmp_path_factory)
-    return cwd, _completed(result)
+    return cwd, completed_process(result)
 
 
 @pytest.fixture(scope="session")

@@ -15,7 +15,7 @@ from hydra import compose, initialize_config_dir
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
 import train
-from conftest import REPO, check, launch, run_dirs, run_in_this_process
+from conftest import REPO, check, checked_launch, completed_process, launch, run_dirs, run_in_this_process, shared_run
 from ddp.config import ConfigError
 from test_fault_tolerance import assert_bit_identical, assert_same_state
 
@@ -58,14 +58,16 @@ def scalars(run_dir: Path, tag: str) -> list[tuple[int, float]]:
 
 @pytest.fixture(scope="module")
 def ranked_runs(tmp_path_factory) -> dict[str, Path]:
-    """RANKED_BY's runs, by train.run in this process (a launch costs seconds of start-up; a sweep
-    that ranks its jobs: below): {best_of: run dir}."""
-    cwd = tmp_path_factory.mktemp("best")
+    """RANKED_BY's runs, by train.run in a test process (a launch costs seconds of start-up; a sweep
+    that ranks its jobs: below), once for all of them (shared_run): {best_of: run dir}."""
+    def produce(cwd: Path) -> None:
+        with pytest.MonkeyPatch.context() as monkeypatch:
+            monkeypatch.chdir(cwd)
+            for best_of, overrides in RANKED_BY.items():
+                run_in_this_process(overrides, cwd / best_of)
+
+    cwd, _ = shared_run("best_ranked_runs", produce, tmp_path_factory)
     runs = {best_of: cwd / best_of for best_of in RANKED_BY}
-    with pytest.MonkeyPatch.context() as monkeypatch:
-        monkeypatch.chdir(cwd)
-        for best_of, run_dir in runs.items():
-            run_in_this_process(RANKED_BY[best_of], run_dir)
     assert all(load(run_dir / "checkpoints" / "last.pt")["config"]["checkpoint"]["best_of"] == best_of
                for best_of, run_dir in runs.items())
     return runs
@@ -84,16 +86,19 @@ def ema_run(ranked_runs) -> Path:
 @pytest.fixture(scope="module")
 def best_evaluated(ranked_runs, tmp_path_factory) -> dict[str, dict]:
     """mode=eval of each ranked run's best.pt on BEST's data, by train.run in this process (a launch costs
-    seconds of start-up; mode=eval launched: tests/test_trainer.py): {best_of: its eval.json}."""
-    cwd = tmp_path_factory.mktemp("evaluated")
-    evaluations = {}
-    with pytest.MonkeyPatch.context() as monkeypatch:
-        monkeypatch.chdir(cwd)
-        for best_of in ("model", "ema"):
-            checkpoint = ranked_runs[best_of] / "checkpoints" / "best.pt"
-            run_in_this_process(["mode=eval", f"resume='{checkpoint}'", *BEST[1:6]], cwd / best_of)
-            evaluations[best_of] = json.loads((cwd / best_of / "eval.json").read_text())
-    return evaluations
+    seconds of start-up; mode=eval launched: tests/test_trainer.py), once for all test processes
+    (shared_run): {best_of: its eval.json}."""
+    def produce(cwd: Path) -> dict[str, dict]:
+        evaluations = {}
+        with pytest.MonkeyPatch.context() as monkeypatch:
+            monkeypatch.chdir(cwd)
+            for best_of in ("model", "ema"):
+                checkpoint = ranked_runs[best_of] / "checkpoints" / "best.pt"
+                run_in_this_process(["mode=eval", f"resume='{checkpoint}'", *BEST[1:6]], cwd / best_of)
+                evaluations[best_of] = json.loads((cwd / best_of / "eval.json").read_text())
+        return evaluations
+
+    return shared_run("best_evaluated", produce, tmp_path_factory)[1]
 
 
 def test_best_pt_holds_the_best_validation_and_evaluates_to_it_exactly(best_run, best_evaluated):
@@ -201,10 +206,8 @@ def test_a_resume_that_would_rank_otherwise_is_a_one_line_error_before_anything_
 
 @pytest.fixture(scope="module")
 def early_run(tmp_path_factory):
-    cwd = tmp_path_factory.mktemp("early")
-    result = launch(EARLY, cwd, nproc=2)
-    check(result)
-    return the_run_dir(cwd), result
+    cwd, result = shared_run("best_early_run", checked_launch(EARLY, nproc=2), tmp_path_factory)
+    return the_run_dir(cwd), completed_process(result)
 
 
 STOP_LINE = re.compile(r"\[rank (\d)\]\[train\]\[INFO\] stopped early at epoch (\d+), step (\d+): (.*)")

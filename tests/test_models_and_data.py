@@ -4,6 +4,7 @@ standard train and eval transforms, MixUp/CutMix and label smoothing, and mode=e
 import json
 import logging
 import re
+from pathlib import Path
 
 import numpy as np
 
@@ -16,7 +17,7 @@ from PIL import Image
 from safetensors.torch import save_file
 
 import train
-from conftest import REPO, TINY, check, launch, load_last, load_results, run_dirs, write_imagefolder
+from conftest import REPO, TINY, check, launch, load_last, load_results, run_dirs, shared_run, write_imagefolder
 from data import build_datasets
 from data.mix import build_batch_mix
 from data.presets import AUGMENTS, cifar10_transforms, imagefolder_transforms
@@ -328,17 +329,22 @@ def evaluated(plain_ddp_run, tmp_path_factory):
     """plain_ddp_run's checkpoint (2-rank DDP, no SyncBN, with EMA) evaluated by 1 process and by 3 ranks.
     The 3 ranks run under torchrun, in the run dir their launch makes; the 1 process is train.run in this
     one, in a dir made here (a launch would cost seconds of start-up; mode=eval launched in one process:
-    tests/test_trainer.py and tests/test_best.py)."""
+    tests/test_trainer.py and tests/test_best.py). Once for all test processes (shared_run)."""
     cwd, _ = plain_ddp_run
     (trained,) = run_dirs(cwd)
-    checkpoint_mtime = (trained / "checkpoints" / "last.pt").stat().st_mtime_ns
-    eval_cwd = tmp_path_factory.mktemp("eval_ddp")
-    check(launch([*EVAL, "strategy=ddp", f"resume={trained}"], eval_cwd, nproc=3))
-    (three_ranks,) = run_dirs(eval_cwd)
-    single = tmp_path_factory.mktemp("eval_single") / "outputs" / "run"
-    single.mkdir(parents=True)
-    train.run(compose_config(*EVAL, "strategy=single", f"resume={trained}"), single, relaunch="")
-    return trained, checkpoint_mtime, {"single": single, "ddp": three_ranks}
+
+    def evaluate(eval_cwd: Path) -> dict:
+        checkpoint_mtime = (trained / "checkpoints" / "last.pt").stat().st_mtime_ns
+        (eval_cwd / "ddp").mkdir()
+        check(launch([*EVAL, "strategy=ddp", f"resume={trained}"], eval_cwd / "ddp", nproc=3))
+        (three_ranks,) = run_dirs(eval_cwd / "ddp")
+        single = eval_cwd / "single" / "outputs" / "run"
+        single.mkdir(parents=True)
+        train.run(compose_config(*EVAL, "strategy=single", f"resume={trained}"), single, relaunch="")
+        return {"checkpoint_mtime": checkpoint_mtime, "single": str(single), "ddp": str(three_ranks)}
+
+    _, evaluation = shared_run("eval_plain_ddp_run", evaluate, tmp_path_factory)
+    return trained, evaluation["checkpoint_mtime"], {name: Path(evaluation[name]) for name in ("single", "ddp")}
 
 
 def test_eval_of_a_checkpoint_is_exact_for_any_world_size_and_matches_training(evaluated):

@@ -3,13 +3,15 @@ EMA, channels_last and compile, composed with DDP, exact resume and the no-host-
 
 import json
 import re
+from pathlib import Path
 
 import pytest
 import torch
 from omegaconf import OmegaConf
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
-from conftest import REPO, TINY, check, hparams_table, job_dir, launch, load_last, load_results, run_dirs, run_in_this_process, write_imagefolder
+from conftest import (REPO, TINY, check, hparams_table, job_dir, launch, load_last, load_results, run_dirs, run_in_this_process,
+                      shared_run, write_imagefolder)
 from data import build_datasets
 from ddp.env import DistEnv
 from ddp.loaders import build_val_loader
@@ -43,17 +45,20 @@ def instrumented(args: list[str], cwd, env: dict | None = None, timeout: float =
 
 @pytest.fixture(scope="module")
 def recipe(tmp_path_factory) -> list[str]:
-    """RECIPE's arguments, with data.root at a generated ImageFolder tree."""
-    root = write_imagefolder(tmp_path_factory.mktemp("recipe_images"), classes=("a", "b", "c", "d"),
-                             per_class={"train": 32, "val": 9}, size=(12, 10))
+    """RECIPE's arguments, with data.root at a generated ImageFolder tree (one for all test processes)."""
+    def produce(root: Path) -> None:
+        write_imagefolder(root, classes=("a", "b", "c", "d"), per_class={"train": 32, "val": 9}, size=(12, 10))
+
+    root, _ = shared_run("recipe_images", produce, tmp_path_factory)
     return [*RECIPE, f"data.root={root}"]
 
 
 @pytest.fixture(scope="module")
 def recipe_run(recipe, tmp_path_factory):
-    """The whole recipe, uninterrupted, watched for collectives and host reads: (cwd, watch dir)."""
-    cwd = tmp_path_factory.mktemp("recipe")
-    return cwd, instrumented(recipe, cwd)
+    """The whole recipe, uninterrupted, watched for collectives and host reads, once for all test
+    processes (shared_run): (cwd, watch dir)."""
+    cwd, _ = shared_run("recipe_run", lambda cwd: str(instrumented(recipe, cwd)), tmp_path_factory)
+    return cwd, cwd / "watch"
 
 
 def test_everything_on_reports_the_recipe(recipe_run):
@@ -219,13 +224,16 @@ def test_a_resume_with_a_changed_lr_trains_at_it_and_reports_it(tmp_path, monkey
 def digits_in_mixed_precision(tmp_path_factory):
     """The default data, with a narrower small_cnn, Adam and 4 epochs, in bf16 and in fp16: one multirun,
     so one process start for both. CPU has no fast fp16 kernels, and the default recipe in fp16 takes
-    minutes here (fp32 and bf16 reach 0.96 on this recipe too). {precision: its job's results.json}"""
-    cwd = tmp_path_factory.mktemp("digits")
-    check(launch(["-m", "precision=bf16,16", "model.channels=[16,32]", "optim=adam", "optim.lr=0.01", "trainer.max_epochs=4"],
-                 cwd, timeout=600))
-    (sweep,) = (cwd / "outputs" / "multirun").iterdir()
-    jobs = {"bf16": 0, "16": 1}  # the sweep's order
-    return {precision: json.loads((job_dir(sweep, job) / "results.json").read_text()) for precision, job in jobs.items()}
+    minutes here (fp32 and bf16 reach 0.96 on this recipe too). Once for all test processes (shared_run).
+    {precision: its job's results.json}"""
+    def produce(cwd: Path) -> dict:
+        check(launch(["-m", "precision=bf16,16", "model.channels=[16,32]", "optim=adam", "optim.lr=0.01",
+                      "trainer.max_epochs=4"], cwd, timeout=600))
+        (sweep,) = (cwd / "outputs" / "multirun").iterdir()
+        jobs = {"bf16": 0, "16": 1}  # the sweep's order
+        return {precision: json.loads((job_dir(sweep, job) / "results.json").read_text()) for precision, job in jobs.items()}
+
+    return shared_run("digits_in_mixed_precision", produce, tmp_path_factory)[1]
 
 
 @pytest.mark.parametrize("precision", ["bf16", "16"])

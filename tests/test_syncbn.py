@@ -7,6 +7,7 @@ seconds); each rank saves its results and the tests below assert in this process
 import copy
 import socket
 from datetime import timedelta
+from pathlib import Path
 
 import pytest
 import torch
@@ -15,6 +16,7 @@ import torch.multiprocessing as mp
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel as DDP
 
+from conftest import shared_run
 from ddp.syncbn import CPUSyncBatchNorm, convert_syncbn
 
 WORLD = 2
@@ -137,8 +139,11 @@ def _free_port():
 
 @pytest.fixture(scope="module")
 def ranks(tmp_path_factory):
-    out_dir = tmp_path_factory.mktemp("syncbn")
-    mp.spawn(_worker, args=(_free_port(), str(out_dir)), nprocs=WORLD, join=True)
+    """Each rank's results, once for all test processes (shared_run)."""
+    def spawn(out_dir: Path) -> None:
+        mp.spawn(_worker, args=(_free_port(), str(out_dir)), nprocs=WORLD, join=True)
+
+    out_dir, _ = shared_run("syncbn_ranks", spawn, tmp_path_factory)
     return [torch.load(out_dir / f"rank{r}.pt") for r in range(WORLD)]
 
 

@@ -13,7 +13,7 @@ import torch
 import torchvision
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
-from conftest import TINY, check, job_dir, launch, run_in_this_process, write_imagefolder
+from conftest import TINY, check, job_dir, launch, run_in_this_process, shared_run, write_imagefolder
 from models.resnet import build_resnet18
 
 # 4 epochs of 3 batches (limit_train_batches), validation on 2 batches of 8 after epochs 3 and 4,
@@ -130,11 +130,11 @@ def test_samples_per_s_counts_training_steps_only(tmp_path, monkeypatch):
 def big_then_resnet18(tmp_path_factory) -> tuple[dict, Path]:
     """One multirun of resnet18 on 32x32 synthetic images, 4 training batches and 12 val samples:
     job 0 generates 20,000 images (about 600 MB), job 1 only 32 (4 batches: one epoch).
-    (job 0's results.json, job 1's dir)."""
-    cwd = tmp_path_factory.mktemp("big_then_resnet18")
+    Once for all test processes (shared_run). (job 0's results.json, job 1's dir)."""
     tiny = [arg for arg in TINY if not arg.startswith(("model.", "data.num_samples", "data.num_val_samples", "data.image_size"))]
-    check(launch(["-m", "strategy=single", "model=resnet18", *tiny, "data.image_size=32", "data.num_val_samples=12",
-                  "trainer.max_epochs=1", "trainer.limit_train_batches=4", "data.num_samples=20000,32"], cwd))
+    args = ["-m", "strategy=single", "model=resnet18", *tiny, "data.image_size=32", "data.num_val_samples=12",
+            "trainer.max_epochs=1", "trainer.limit_train_batches=4", "data.num_samples=20000,32"]
+    cwd, _ = shared_run("big_then_resnet18", lambda cwd: check(launch(args, cwd)), tmp_path_factory)
     (sweep,) = (cwd / "outputs" / "multirun").iterdir()
     return json.loads((job_dir(sweep, 0) / "results.json").read_text()), job_dir(sweep, 1)
 
