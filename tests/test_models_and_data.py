@@ -17,7 +17,8 @@ from PIL import Image
 from safetensors.torch import save_file
 
 import train
-from conftest import REPO, TINY, check, launch, load_last, load_results, run_dirs, shared_run, write_imagefolder
+from conftest import (REPO, TINY, check, launch, load_results, run_dirs, run_in_this_process, shared_run,
+                      write_imagefolder)
 from data import build_datasets
 from data.mix import build_batch_mix
 from data.presets import AUGMENTS, cifar10_transforms, imagefolder_transforms
@@ -253,30 +254,31 @@ def test_unreadable_images_end_the_run_in_one_line(tmp_path):
     assert re.fullmatch(r"error: \S+/train/\w+/1_\w+\.(jpg|png) \(index \d+ of the train split\): unreadable image .*", line), line
 
 
-def test_unreadable_images_skipped_are_counted_and_resume_stays_exact(tmp_path):
+def test_unreadable_images_skipped_are_counted_and_resume_stays_exact(tmp_path, monkeypatch, caplog):
     """data.on_bad_sample=skip: each unreadable image is replaced by the next one of its split, the same
     on every read, so a run resumed from the step-3 checkpoint of another ends with the very weights of
     that run never stopped (random augmentation, two DataLoader workers); both count the 3 files, and
-    each logs them, the resumed one in its own run dir."""
+    each logs them. Both runs are train.run in this process (a launch costs seconds of start-up; how the
+    command line ends on an unreadable image: above)."""
     root = write_imagefolder(tmp_path / "images", per_class=6)
     paths = add_unreadable_images(root)
     args = ["data=imagefolder", f"data.root={root}", "data.image_size=16", "data.batch_size=4", "data.num_workers=2",
             "data.augment=trivialaugment", "data.on_bad_sample=skip", "model.channels=[8,16]", "trainer.max_epochs=2",
             "checkpoint.every_n_steps=3", "checkpoint.keep_last=10"]  # all kept: step 3's too
-    for name in ("straight", "resumed"):
-        (tmp_path / name).mkdir()
-    check(launch(args, tmp_path / "straight"))
-    (straight_dir,) = run_dirs(tmp_path / "straight")
-    check(launch([*args, f"resume={straight_dir / 'checkpoints' / 'step-00000003.pt'}"], tmp_path / "resumed"))
-    straight, resumed = load_last(tmp_path / "straight"), load_last(tmp_path / "resumed")
+    straight_dir, resumed_dir = tmp_path / "straight", tmp_path / "resumed"
+    monkeypatch.chdir(tmp_path)
+    logs = {}
+    for run_dir, resume in ((straight_dir, []), (resumed_dir, [f"resume={straight_dir / 'checkpoints' / 'step-00000003.pt'}"])):
+        caplog.clear()
+        with caplog.at_level(logging.INFO):
+            results = run_in_this_process([*args, *resume], run_dir)
+        assert results["bad_samples_skipped"] == 3
+        logs[run_dir] = caplog.text
+        assert "replaced 3 unreadable image(s)" in logs[run_dir] and all(path in logs[run_dir] for path in paths.values())
+    straight, resumed = (torch.load(d / "checkpoints" / "last.pt", weights_only=True) for d in (straight_dir, resumed_dir))
     assert straight["global_step"] == resumed["global_step"] == 8  # 14 training images: 4 batches, 2 epochs
     assert all(torch.equal(value, resumed["model"][key]) for key, value in straight["model"].items())
-    for cwd in (tmp_path / "straight", tmp_path / "resumed"):
-        assert load_results(cwd)["bad_samples_skipped"] == 3
-        (run_dir,) = run_dirs(cwd)
-        log_text = (run_dir / "train_rank0.log").read_text()
-        assert "replaced 3 unreadable image(s)" in log_text and all(path in log_text for path in paths.values())
-    assert "at epoch 0, batch 3, step 3" in log_text  # the resumed run's
+    assert "at epoch 0, batch 3, step 3" in logs[resumed_dir]
 
 
 # --- loss-side regularisation -----------------------------------------------------------------
