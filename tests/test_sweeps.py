@@ -8,7 +8,9 @@ test processes (conftest.shared_run):
   for Optuna taking the task's objective and direction (main's return is the same with one process:
   tests/test_segmentation_runs.py runs an Optuna search in one process);
 - one plain multirun holds a job with a bad override, jobs that fail in training, and a job that
-  ends well: the failed jobs' summary rows and what a failed job leaves behind."""
+  ends well: the failed jobs' summary rows and what a failed job leaves behind;
+- one multirun under torchrun ends two jobs well and then fails on one rank: the ranks' shared sweep
+  dir and summary, and the sweep stopping at once."""
 
 import csv
 import json
@@ -96,11 +98,14 @@ def swept_batch_sizes(rows: list[dict]) -> list[int]:
 
 
 def assert_summary_matches_jobs(sweep_dir: Path, world_size: int, batch_sizes=BATCH_SIZES,
-                                metrics=SUMMARY_METRICS) -> list[dict]:
-    """One ok row per job, its batch sizes as swept, its metrics those of the job's results.json."""
+                                metrics=SUMMARY_METRICS, failed: int = 0) -> list[dict]:
+    """One ok row per job, its batch sizes as swept, its metrics those of the job's results.json; then
+    `failed` rows of failed jobs."""
     rows = summary_rows(sweep_dir)
-    assert [row["job"] for row in rows] == ["0", "1"]
-    for row, batch_size, job_dir in zip(rows, batch_sizes, job_dirs(sweep_dir), strict=True):
+    assert [row["job"] for row in rows] == [str(job) for job in range(len(batch_sizes) + failed)]
+    assert all(row["status"].startswith("failed:") for row in rows[len(batch_sizes):]), rows
+    for row, batch_size, job_dir in zip(rows[:len(batch_sizes)], batch_sizes, job_dirs(sweep_dir)[:len(batch_sizes)],
+                                        strict=True):
         assert row["status"] == "ok", row
         assert f"data.batch_size={batch_size}" in row["overrides"].split()
         assert (int(row["world_size"]), int(row["batch_size"]), int(row["global_batch_size"])) == (
@@ -113,11 +118,12 @@ def assert_summary_matches_jobs(sweep_dir: Path, world_size: int, batch_sizes=BA
     return rows
 
 
-def assert_one_run_per_job_dir(cwd: Path, sweep_dir: Path, log_names: set[str]) -> None:
-    """Each job dir holds one run: rank 0's .hydra and events file, one log per process; nothing else
-    under outputs/ (a torchrun launch's claims in outputs/.launches are gone once it ends)."""
-    assert {p.name for p in (cwd / "outputs").iterdir()} == {"multirun"}
-    assert job_numbers(sweep_dir) == [0, 1]
+def assert_one_run_per_job_dir(cwd: Path, sweep_dir: Path, log_names: set[str], jobs: int = 2, failed: bool = False) -> None:
+    """Each of the `jobs` job dirs holds one run: rank 0's .hydra and events file, one log per process;
+    nothing else under outputs/, but for the claims in outputs/.launches of a torchrun launch that
+    `failed` (kept for a torchrun restart; one that ends well removes them: tests/test_run_dirs.py)."""
+    assert {p.name for p in (cwd / "outputs").iterdir()} == {"multirun", *([".launches"] if failed else [])}
+    assert job_numbers(sweep_dir) == list(range(jobs))
     assert sorted(p.parent for p in cwd.rglob(".hydra")) == job_dirs(sweep_dir)
     for job_dir in job_dirs(sweep_dir):
         assert len(list(job_dir.rglob("events.out.tfevents*"))) == 1, job_dir
@@ -209,40 +215,45 @@ def test_self_launched_ddp_sweep_one_run_per_job_with_the_global_batch(ddp_optun
     assert (sweep_dir / "summary.md").read_text() in result.stdout
 
 
-# --- 3. multirun under torchrun ----------------------------------------------------------------
+# --- 3, 4. multirun under torchrun, to a job that fails on one rank --------------------------------
 
-def test_torchrun_sweep_ranks_share_one_sweep_dir_and_one_summary(tmp_path):
-    result = launch(["-m", "strategy=ddp", *SMALL, SWEEP_BATCH], tmp_path, nproc=2)
-    check(result)
-    sweep_dir = the_sweep_dir(tmp_path)  # both ranks resolved the same sweep dir
-    assert_summary_matches_jobs(sweep_dir, world_size=2)
-    assert_one_run_per_job_dir(tmp_path, sweep_dir, {"train_rank0.log", "train_rank1.log"})
-    assert [p.parent for p in tmp_path.rglob("summary.csv")] == [sweep_dir]
+def run_torchrun_sweep(cwd: Path) -> dict:
+    """Under torchrun, on 2 ranks: jobs 0 and 1 (batch 16 and 32) end well; job 2 fails on rank 1 at step 2
+    (fault.raise_rank; the sweep's order: the last key varies fastest), which must stop the sweep before
+    job 3 and fast: a healthy rank that waited for the process group's timeout (1800 s) would hit the
+    launch's timeout."""
+    result = launch(["-m", "strategy=ddp", *SMALL, "fault.at_step=2", "fault.raise_rank=-1,1", SWEEP_BATCH], cwd, nproc=2,
+                    timeout=300)
+    return as_json(result)
+
+
+@pytest.fixture
+def torchrun_sweep(tmp_path_factory):
+    return shared_sweep("torchrun_sweep", run_torchrun_sweep, tmp_path_factory)
+
+
+def test_torchrun_sweep_ranks_share_one_sweep_dir_and_one_summary(torchrun_sweep):
+    cwd, sweep_dir, result = torchrun_sweep  # the_sweep_dir: both ranks resolved the same sweep dir
+    assert_summary_matches_jobs(sweep_dir, world_size=2, failed=1)
+    assert_one_run_per_job_dir(cwd, sweep_dir, {"train_rank0.log", "train_rank1.log"}, jobs=3, failed=True)
+    assert [p.parent for p in cwd.rglob("summary.csv")] == [sweep_dir]
     assert result.stdout.count("sweep summary (") == 1
-    assert (sweep_dir / "summary.md").read_text() in result.stdout
+    assert (sweep_dir / "summary.md").read_text() in result.stdout  # printed although the sweep failed
 
 
-# --- 4. a failing job under torchrun -----------------------------------------------------------
-
-def test_torchrun_sweep_stops_fast_when_a_job_fails_on_one_rank(tmp_path):
-    # a sweep whose healthy rank waited for the process group's timeout (1800 s) would hit this one
-    result = launch(["-m", "strategy=ddp", *SMALL, "data.batch_size=16", "fault.at_step=2", "fault.raise_rank=-1,1,-1"],
-                    tmp_path, nproc=2, timeout=300)
+def test_torchrun_sweep_stops_fast_when_a_job_fails_on_one_rank(torchrun_sweep):
+    _, sweep_dir, result = torchrun_sweep
     text = output(result)
     assert result.returncode != 0, text[-4000:]
     failures = re.findall(r"sweep job (\d+) \(([^)]*)\) failed; stopping the sweep", text)
     assert failures, text[-4000:]
-    assert {job for job, _ in failures} == {"1"}
+    assert {job for job, _ in failures} == {"2"}
     assert all("fault.raise_rank=1" in overrides.split() for _, overrides in failures)
     assert "RuntimeError: injected fault: fault.raise_rank=1 at step 2" in text
     assert "Root Cause" in result.stderr
-    sweep_dir = the_sweep_dir(tmp_path)
-    assert (job_dir_in(sweep_dir, 0) / "results.json").is_file()  # the job before the failure finished
-    assert 2 not in job_numbers(sweep_dir)  # the sweep stopped at the failing job
-    finished, failed = summary_rows(sweep_dir)  # the failing job is in the summary too
-    assert (finished["job"], finished["status"]) == ("0", "ok")
-    assert failed["job"] == "1" and failed["status"].startswith("failed:"), failed
-    assert "sweep summary (" in result.stdout  # printed although the sweep failed
+    assert 3 not in job_numbers(sweep_dir)  # the sweep stopped at the failing job
+    failed = summary_rows(sweep_dir)[2]  # in the summary too (the jobs before it: the test above)
+    assert failed["job"] == "2" and failed["status"].startswith("failed:"), failed
 
 
 # --- 5. failing jobs in a plain multirun -------------------------------------------------------
