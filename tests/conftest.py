@@ -183,8 +183,16 @@ def ddp_run(tmp_path_factory):
     return cwd, completed_process(result)
 
 
+def last_checkpoint(run_dir: Path) -> dict:
+    return torch.load(run_dir / "checkpoints" / "last.pt", weights_only=True)
+
+
+def results_of(run_dir: Path) -> dict:
+    return json.loads((run_dir / "results.json").read_text())
+
+
 def final_weights(run_dir: Path) -> dict[str, torch.Tensor]:
-    return torch.load(run_dir / "checkpoints" / "last.pt", weights_only=True)["model"]
+    return last_checkpoint(run_dir)["model"]
 
 
 def assert_same_weights(actual: dict, expected: dict) -> None:
@@ -256,12 +264,12 @@ def job_numbers(sweep_dir: Path) -> list[int]:
 
 def load_last(cwd):
     (run_dir,) = run_dirs(cwd)
-    return torch.load(run_dir / "checkpoints" / "last.pt", weights_only=True)
+    return last_checkpoint(run_dir)
 
 
 def load_results(cwd):
     (run_dir,) = run_dirs(cwd)
-    return json.loads((run_dir / "results.json").read_text())
+    return results_of(run_dir)
 
 
 def hparams_table(logdir: Path) -> dict[str, dict]:
@@ -342,7 +350,7 @@ def exact_ddp_reference(tmp_path_factory):
     """EXACT_DDP uninterrupted under torchrun --nproc_per_node=2: (run dir, its final last.pt)."""
     cwd, _ = shared_run("exact_ddp_reference", lambda cwd: check(launch(EXACT_DDP, cwd, nproc=2)), tmp_path_factory)
     (run_dir,) = run_dirs(cwd)
-    checkpoint = torch.load(run_dir / "checkpoints" / "last.pt", weights_only=True)
+    checkpoint = last_checkpoint(run_dir)
     assert checkpoint["global_step"] == 16 and checkpoint["epoch"] == 2
     return run_dir, checkpoint
 
@@ -353,7 +361,7 @@ def exact_single_reference(tmp_path_factory):
     process; tests/test_interrupts.py resumes a launched run to end equal to it): (run dir, its final last.pt)."""
     run_dir = shared_run_in_this_process("exact_single_reference", [*EXACT_SINGLE, f"trainer.max_steps={EXACT_SINGLE_STEPS}"],
                                          tmp_path_factory)
-    checkpoint = torch.load(run_dir / "checkpoints" / "last.pt", weights_only=True)
+    checkpoint = last_checkpoint(run_dir)
     assert checkpoint["global_step"] == EXACT_SINGLE_STEPS
     return run_dir, checkpoint
 

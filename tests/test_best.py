@@ -15,7 +15,8 @@ from hydra import compose, initialize_config_dir
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
 import train
-from conftest import REPO, check, checked_launch, completed_process, launch, run_dirs, run_in_this_process, shared_run
+from conftest import (REPO, check, checked_launch, completed_process, launch, results_of, run_dirs, run_in_this_process,
+                      shared_run, shared_run_in_this_process)
 from ddp.config import ConfigError
 from test_fault_tolerance import assert_bit_identical, assert_same_state
 
@@ -42,10 +43,6 @@ def the_run_dir(cwd: Path) -> Path:
     return run_dir
 
 
-def results_of(run_dir: Path) -> dict:
-    return json.loads((run_dir / "results.json").read_text())
-
-
 def load(path: Path) -> dict:
     return torch.load(path, weights_only=True)
 
@@ -60,14 +57,8 @@ def scalars(run_dir: Path, tag: str) -> list[tuple[int, float]]:
 def ranked_runs(tmp_path_factory) -> dict[str, Path]:
     """RANKED_BY's runs, by train.run in a test process (a launch costs seconds of start-up; a sweep
     that ranks its jobs: below), once for all of them (shared_run): {best_of: run dir}."""
-    def produce(cwd: Path) -> None:
-        with pytest.MonkeyPatch.context() as monkeypatch:
-            monkeypatch.chdir(cwd)
-            for best_of, overrides in RANKED_BY.items():
-                run_in_this_process(overrides, cwd / best_of)
-
-    cwd, _ = shared_run("best_ranked_runs", produce, tmp_path_factory)
-    runs = {best_of: cwd / best_of for best_of in RANKED_BY}
+    runs = {best_of: shared_run_in_this_process(f"best_ranked_by_{best_of}", overrides, tmp_path_factory)
+            for best_of, overrides in RANKED_BY.items()}
     assert all(load(run_dir / "checkpoints" / "last.pt")["config"]["checkpoint"]["best_of"] == best_of
                for best_of, run_dir in runs.items())
     return runs

@@ -17,7 +17,7 @@ from hydra import compose, initialize_config_dir
 from omegaconf import OmegaConf
 
 import train
-from conftest import REPO, TINY, load_last, load_results, run_dirs
+from conftest import REPO, TINY, final_weights, load_last, load_results, results_of, run_dirs
 from data import build_datasets
 from ddp.env import DistEnv
 from ddp.loaders import build_val_loader
@@ -28,13 +28,12 @@ from tasks.classification import ClassificationTask
 
 
 def test_two_ranks_match_one_process_with_the_global_batch(ddp_run, single_run):
-    ddp_state = load_last(ddp_run[0])["model"]
-    single_state = torch.load(single_run / "checkpoints" / "last.pt", weights_only=True)["model"]
+    ddp_state, single_state = load_last(ddp_run[0])["model"], final_weights(single_run)
     assert ddp_state.keys() == single_state.keys()
     assert any(key.endswith("running_var") for key in ddp_state)
     for key in ddp_state:
         torch.testing.assert_close(ddp_state[key], single_state[key], msg=lambda m, key=key: f"{key}: {m}")
-    ddp_results, single_results = load_results(ddp_run[0]), json.loads((single_run / "results.json").read_text())
+    ddp_results, single_results = load_results(ddp_run[0]), results_of(single_run)
     assert ddp_results["steps"] == single_results["steps"] == 16
     assert (ddp_results["global_batch_size"], single_results["global_batch_size"]) == (16, 16)
 

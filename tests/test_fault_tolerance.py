@@ -40,7 +40,7 @@ from torch.utils.data import DistributedSampler
 from conftest import EXACT_DATA as DATA
 from conftest import EXACT_DDP as EXACT
 from conftest import EXACT_SINGLE as EXTEND
-from conftest import (EXACT_SINGLE_STEPS, REPO, TORCHRUN, TRAIN, check, config_error_in_this_process,
+from conftest import (EXACT_SINGLE_STEPS, REPO, TORCHRUN, TRAIN, check, config_error_in_this_process, last_checkpoint,
                       run_in_this_process, shared_run_in_this_process)
 from ids_and_noise import IdsAndNoise
 from ddp.checkpoint import CheckpointError, load_checkpoint, save_checkpoint, save_step_checkpoint
@@ -109,10 +109,6 @@ def _comparable(checkpoint: dict) -> dict:
     state = {k: checkpoint[k] for k in STATE_KEYS}
     state["ranks"] = [{k: v for k, v in rank.items() if k != "python_rng"} for rank in state["ranks"]]
     return state
-
-
-def last_checkpoint(run_dir: Path) -> dict:
-    return torch.load(run_dir / "checkpoints" / "last.pt", weights_only=True)
 
 
 def rank_log(run_dir: Path, rank: int) -> str:

@@ -51,6 +51,14 @@ def wait_for_training(process: subprocess.Popen, cwd) -> None:
         time.sleep(0.1)
 
 
+def wait_for_file(path: Path, process: subprocess.Popen, cwd) -> None:
+    """Until `path` exists, while the process lives."""
+    deadline = time.monotonic() + 180
+    while not path.exists():
+        assert process.poll() is None and time.monotonic() < deadline, (cwd / "stderr.txt").read_text()[-3000:]
+        time.sleep(0.1)
+
+
 def ctrl_c(process: subprocess.Popen) -> None:
     """As a terminal sends it: to the whole process group."""
     os.killpg(process.pid, signal.SIGINT)
@@ -92,18 +100,12 @@ def test_ctrl_c_saves_at_the_next_step_and_the_printed_command_finishes_bit_iden
     returncode, stdout, stderr = finish(process, tmp_path)
     output = stdout + stderr
 
-    hints = [HINT.search(line) for line in output.splitlines() if "checkpoint saved: continue with" in line]
-    assert len(hints) == 1 and hints[0], output[-4000:]
-    step, resume = int(hints[0][1]), shlex.split(hints[0][2])
     (run_dir,) = run_dirs(tmp_path)
-    assert last_checkpoint(run_dir)["global_step"] == step
-    assert step < last_step, f"interrupted at step {step}: too late for this test"
+    _, resume = _ctrl_c_hint(output, run_dir, tmp_path, "python", before=last_step)
     assert returncode == 130, output[-4000:]
     assert "Traceback" not in output, output[-4000:]
 
     # the printed command, as a user would paste it (with this environment's python)
-    assert resume[0] == "python"
-    assert resume[-1] == f"resume={os.path.relpath(run_dir, tmp_path)}"
     resume[0] = sys.executable
     bounded = [f"trainer.max_steps={last_step}", "fault.slow_rank=-1"]
     check(subprocess.run([*resume, *bounded], cwd=tmp_path, env=_clean_env(), capture_output=True, text=True, timeout=180))
@@ -138,8 +140,7 @@ def test_ddp_stopped_by_sigterm_ctrl_c_and_max_steps_under_both_launchers_ends_b
     5. that command runs to the end (an extension of the max_steps stop, past one more stop).
     Rank 1's every step takes 1 s longer in the stopped ones, 3 s in the fourth (fault.slow_rank, a
     sleep: it changes no number, and the bounded and the last one run without it), so each stop comes
-    long before the step that bounds it. (One chain for what were two tests: the self-launched Ctrl-C and its printed command
-    finishing bit-identically, and torchrun's SIGTERM, Ctrl-C, max_steps stop and extension.)
+    long before the step that bounds it.
     On a loaded machine the first step can come late after the signal: the ranks may wait up to 45 s for
     it (trainer.stop_deadline_s), and torchrun 55 s for them (--shutdown-timeout, 30 s by default), which
     bound only a failure's wait."""
@@ -171,11 +172,7 @@ def test_ddp_stopped_by_sigterm_ctrl_c_and_max_steps_under_both_launchers_ends_b
 
     # 2. self-launched, resume=auto carries on from there; Ctrl-C once it has saved its first periodic checkpoint
     process = start([sys.executable, str(TRAIN), *EXACT_DDP, "strategy.nproc_per_node=2", *slowed, pinned, "resume=auto"], tmp_path)
-    periodic = run_dir / "checkpoints" / f"step-{(saved // 5 + 1) * 5:08d}.pt"
-    deadline = time.monotonic() + 180
-    while not periodic.exists():
-        assert process.poll() is None and time.monotonic() < deadline, (tmp_path / "stderr.txt").read_text()[-3000:]
-        time.sleep(0.1)
+    wait_for_file(run_dir / "checkpoints" / f"step-{(saved // 5 + 1) * 5:08d}.pt", process, tmp_path)
     ctrl_c(process)
     returncode, stdout, stderr = finish(process, tmp_path)
     output = stdout + stderr
@@ -195,10 +192,7 @@ def test_ddp_stopped_by_sigterm_ctrl_c_and_max_steps_under_both_launchers_ends_b
     # 4. torchrun resumes it at step 13; Ctrl-C once it has saved step 14
     process = start([str(TORCHRUN), "--nproc_per_node=2", str(TRAIN), *EXACT_DDP, *slowed, "fault.slow_ms=3000",
                      "checkpoint.every_n_steps=1", pinned, "resume=outputs/run"], tmp_path)
-    deadline = time.monotonic() + 180
-    while not (run_dir / "checkpoints" / f"step-{max_steps + 1:08d}.pt").exists():
-        assert process.poll() is None and time.monotonic() < deadline, (tmp_path / "stderr.txt").read_text()[-3000:]
-        time.sleep(0.1)
+    wait_for_file(run_dir / "checkpoints" / f"step-{max_steps + 1:08d}.pt", process, tmp_path)
     ctrl_c(process)
     returncode, stdout, stderr = finish(process, tmp_path)
     output = stdout + stderr

@@ -17,7 +17,7 @@ from PIL import Image
 from safetensors.torch import save_file
 
 import train
-from conftest import (REPO, TINY, check, launch, load_results, run_dirs, run_in_this_process, shared_run,
+from conftest import (REPO, TINY, check, last_checkpoint, launch, load_results, run_dirs, run_in_this_process, shared_run,
                       write_imagefolder)
 from data import build_datasets
 from data.mix import build_batch_mix
@@ -111,7 +111,7 @@ def test_safetensors_weights_load(tmp_path):
 
 def test_our_own_checkpoint_gives_its_model_weights(single_run):
     """A run's last.pt as model.weights_path: its `model` entry, into a fresh model of the same config."""
-    checkpoint = torch.load(single_run / "checkpoints" / "last.pt", weights_only=True)
+    checkpoint = last_checkpoint(single_run)
     cfg = compose_config("model.channels=[8,16]", f"model.weights_path={single_run / 'checkpoints' / 'last.pt'}")
     loaded = build_model(cfg.model, num_classes=10, in_channels=3).state_dict()
     assert all(torch.equal(loaded[key], value) for key, value in checkpoint["model"].items())
@@ -275,7 +275,7 @@ def test_unreadable_images_skipped_are_counted_and_resume_stays_exact(tmp_path, 
         assert results["bad_samples_skipped"] == 3
         logs[run_dir] = caplog.text
         assert "replaced 3 unreadable image(s)" in logs[run_dir] and all(path in logs[run_dir] for path in paths.values())
-    straight, resumed = (torch.load(d / "checkpoints" / "last.pt", weights_only=True) for d in (straight_dir, resumed_dir))
+    straight, resumed = last_checkpoint(straight_dir), last_checkpoint(resumed_dir)
     assert straight["global_step"] == resumed["global_step"] == 8  # 14 training images: 4 batches, 2 epochs
     assert all(torch.equal(value, resumed["model"][key]) for key, value in straight["model"].items())
     assert "at epoch 0, batch 3, step 3" in logs[resumed_dir]

@@ -10,8 +10,8 @@ import torch
 from omegaconf import OmegaConf
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
-from conftest import (REPO, TINY, check, hparams_table, job_dir, launch, load_last, load_results, run_dirs, run_in_this_process,
-                      shared_run, write_imagefolder)
+from conftest import (REPO, TINY, check, hparams_table, job_dir, launch, load_last, load_results, results_of, run_dirs,
+                      run_in_this_process, shared_run, write_imagefolder)
 from data import build_datasets
 from ddp.env import DistEnv
 from ddp.loaders import build_val_loader
@@ -19,7 +19,8 @@ from ddp.ema import build_ema
 from models import build_model
 from models.small_cnn import SmallCNN
 from ddp.evaluation import evaluate
-from test_fault_tolerance import assert_bit_identical, assert_same_state, last_checkpoint
+from conftest import last_checkpoint
+from test_fault_tolerance import assert_bit_identical, assert_same_state
 from test_update import cosine_with_warmup
 from tasks.classification import ClassificationTask
 
@@ -210,14 +211,11 @@ def test_a_resume_with_a_changed_lr_trains_at_it_and_reports_it(tmp_path, monkey
     run_in_this_process([*args, "trainer.max_steps=8", "optim.lr=0.5", f"resume={run_dir}"], run_dir)
     assert len(list(run_dir.glob("events.out.tfevents*"))) == 2  # one per attempt
     assert hparams_table(run_dir)["."]["lr"] == pytest.approx(0.5)
-    accumulator = EventAccumulator(str(run_dir))
-    accumulator.Reload()
     # by step: both attempts ran in this process, so their files' names can sort in either order
-    logged = sorted((e.step, e.value) for e in accumulator.Scalars("train/lr"))
+    logged = sorted(logged_lr(run_dir))
     assert logged == [(step, pytest.approx(0.05 if step <= 4 else 0.5)) for step in range(1, 9)]
-    assert json.loads((run_dir / "results.json").read_text())["lr"] == 0.5
-    last = torch.load(run_dir / "checkpoints" / "last.pt", weights_only=True)
-    assert [group["lr"] for group in last["optimizer"]["param_groups"]] == [0.5]
+    assert results_of(run_dir)["lr"] == 0.5
+    assert [group["lr"] for group in last_checkpoint(run_dir)["optimizer"]["param_groups"]] == [0.5]
 
 
 @pytest.fixture(scope="module")

@@ -41,8 +41,7 @@ def evaluate_checkpoint(run_dir) -> dict:
 
 def test_launches_of_every_kind_started_together_get_a_complete_dir_each(tmp_path):
     """Six launches started at the same moment in one working dir: two plain runs, two torchrun launches
-    (2 ranks) and two sweeps (2 jobs each). (One batch for what were three tests of two or four launches
-    of one kind: the same races, and more of them at once.)
+    (2 ranks) and two sweeps (2 jobs each): the races within each kind and between kinds, at once.
     - the four runs (two plain, two torchrun) get four dirs, each holding its own run (its seed, and
       results that its own last.pt reproduces);
     - each torchrun launch's dir holds both ranks' logs, one events file and a world_size=2 result,

@@ -24,7 +24,7 @@ from tensorboard.backend.event_processing.event_accumulator import EventAccumula
 from tensorboard.backend.event_processing.event_multiplexer import EventMultiplexer
 from tensorboard.plugins.hparams import plugin_data_pb2
 
-from conftest import as_json, check, job_numbers, launch, run_dirs, shared_run
+from conftest import as_json, check, job_numbers, launch, results_of, run_dirs, shared_run
 from conftest import job_dir as job_dir_in
 
 # One epoch of a narrow small_cnn on 128 tiny synthetic images: each job costs process start-up only.
@@ -65,10 +65,6 @@ def job_dirs(sweep_dir: Path) -> list[Path]:
 def summary_rows(sweep_dir: Path) -> list[dict]:
     with open(sweep_dir / "summary.csv", newline="") as f:
         return list(csv.DictReader(f))
-
-
-def results_of(job_dir: Path) -> dict:
-    return json.loads((job_dir / "results.json").read_text())
 
 
 def session_hparams(job_dir: Path) -> dict:

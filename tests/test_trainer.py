@@ -13,7 +13,7 @@ import torch
 import torchvision
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
-from conftest import TINY, check, job_dir, launch, run_in_this_process, shared_run, write_imagefolder
+from conftest import TINY, check, job_dir, last_checkpoint, launch, results_of, run_in_this_process, shared_run, write_imagefolder
 from models.resnet import build_resnet18
 
 # 4 epochs of 3 batches (limit_train_batches), validation on 2 batches of 8 after epochs 3 and 4,
@@ -53,10 +53,6 @@ def knobs_run(tmp_path_factory):
     return run_dir, "\n".join(records)
 
 
-def results_of(run_dir: Path) -> dict:
-    return json.loads((run_dir / "results.json").read_text())
-
-
 def test_batch_limits_and_validation_cadence(knobs_run):
     run_dir, _ = knobs_run
     results = results_of(run_dir)
@@ -84,8 +80,7 @@ def test_lr_scaling_sets_the_lr_that_is_used_logged_and_reported(knobs_run):
     assert results_of(run_dir)["lr"] == pytest.approx(0.025)  # 0.05 * sqrt(8 / 32)
     assert " lr=0.025 " in log
     assert [e.value for e in scalars(run_dir, "train/lr")] == pytest.approx([0.025] * 12)
-    last = torch.load(run_dir / "checkpoints" / "last.pt", weights_only=True)
-    assert last["optimizer"]["param_groups"][0]["lr"] == pytest.approx(0.025)
+    assert last_checkpoint(run_dir)["optimizer"]["param_groups"][0]["lr"] == pytest.approx(0.025)
 
 
 def test_syncbn_with_one_process_warns_that_it_changes_nothing(knobs_run):
