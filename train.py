@@ -24,10 +24,11 @@ from data import build_datasets
 from data.vision import report_skipped_samples
 from ddp.best import BestTracker, check_best_settings, objective_key
 from ddp.checkpointer import Checkpointer
-from ddp.config import check_model_accepts, instantiate_checked, optimizer_node, register_configs, validate
+from ddp.config import MULTI_PROCESS, check_model_accepts, instantiate_checked, optimizer_node, register_configs, validate
 from ddp.env import DistEnv, restrict_visible_gpus, select_device, use_deterministic_cudnn
 from ddp.evaluation import Validator, evaluate_checkpoint
 from ddp.failures import end_failed_job
+from ddp.fsdp import check_blocks
 from ddp.faults import SampleRecorder, slow_down
 from ddp.launch import launch_workers
 from ddp.loaders import build_train_loader, build_val_loader, iterate_from, start_epoch, start_worker_server
@@ -36,7 +37,7 @@ from ddp.monitor import RunMonitor
 from ddp.preemption import resume_command
 from ddp.process_group import all_reduce_sum, process_group, replicas_identical, resolve_backend
 from ddp.rank_zero import quiet_console_on_other_ranks
-from ddp.resume import Position, check_update_state_fits, find_resume_checkpoint, load_model_state, resume_training
+from ddp.resume import Position, check_checkpoint_kind, check_update_state_fits, find_resume_checkpoint, load_model_state, resume_training
 from ddp.results import log_hparams, log_results, log_setup, training_results, write_results
 from ddp.run_dir import register_resolvers
 from ddp.syncbn import warn_if_syncbn_without_ddp
@@ -56,7 +57,7 @@ def run(cfg: DictConfig, run_dir: Path, relaunch: str) -> dict:
     env = DistEnv.from_environ()
     validate(cfg, launched=env.launched, world_size=env.world_size)
     restrict_visible_gpus(cfg.devices)  # before the first CUDA call below
-    distributed = cfg.strategy.name == "ddp"
+    distributed = cfg.strategy.name in MULTI_PROCESS
     backend = resolve_backend(cfg.backend, torch.cuda.is_available())
     device = select_device(env, backend if distributed else None, torch.cuda.device_count())
     gpus = process_gpus(cfg.strategy.name, device)
@@ -76,6 +77,7 @@ def run(cfg: DictConfig, run_dir: Path, relaunch: str) -> dict:
     check_schedule(cfg.scheduler, length.total_updates, length.updates_per_epoch)
     model = build_model(cfg.model, splits.num_classes, splits.in_channels)
     check_model_accepts(model, splits.val[0][0])
+    check_blocks(model, cfg.strategy)
     # the real optimizer needs the wrapped model; build one on a dummy now to reject bad settings early
     instantiate_checked(optimizer_node(cfg.optim), "optim", params=[torch.zeros(1, requires_grad=True)])
     start_worker_server(splits.train, cfg.data.num_workers)  # for DataLoader workers, while the rank sets up (ddp/loaders.py)
@@ -85,7 +87,9 @@ def run(cfg: DictConfig, run_dir: Path, relaunch: str) -> dict:
     restarted = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")) > 0 or env.launcher == "submitit"
     resumed = find_resume_checkpoint(cfg.resume, run_dir, restarted)
     if resumed:
-        load_model_state(model, resumed[1]["model"], resumed[0])
+        check_checkpoint_kind(resumed, cfg.strategy.name)
+        if not resumed[1].get("sharded"):  # a sharded checkpoint's shards load into the sharded model (resume_training)
+            load_model_state(model, resumed[1]["model"], resumed[0])
         check_update_state_fits(resumed[1], resumed[0], cfg)
     check_best_settings(cfg.checkpoint, cfg.trainer, cfg.task, run_epochs=length.epochs, task=task, model=model,
                         val_sample=splits.val[0], resumed=resumed)
@@ -233,7 +237,7 @@ def main(cfg: DictConfig) -> float:
     env = DistEnv.from_environ()
     relaunch = resume_command(sys.argv[0], list(hydra_cfg.overrides.task), env.local_world_size if env.launched else None, run_dir)
     try:
-        if cfg.strategy.name == "ddp" and not env.launched and cfg.strategy.nproc_per_node > 0:
+        if cfg.strategy.name in MULTI_PROCESS and not env.launched and cfg.strategy.nproc_per_node > 0:
             nproc = cfg.strategy.nproc_per_node
             validate(cfg, launched=True, world_size=nproc)  # fail here, not in N workers
             results = launch_workers(run, cfg, run_dir, relaunch, hydra_cfg.job.name, nproc, cfg.strategy.max_restarts)

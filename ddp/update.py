@@ -11,6 +11,8 @@ import warnings
 import torch
 import torch.distributed as dist
 from torch import nn
+from torch.distributed.fsdp import FSDPModule
+from torch.distributed.tensor import DTensor
 from torch.nn.parallel import DistributedDataParallel
 from torch.optim import lr_scheduler
 
@@ -32,7 +34,8 @@ class UpdateStep:
     and the task's loss under autocast, divided by the number of micro-batches in its group (the last
     group of an epoch may be shorter), backward (through the GradScaler for fp16).
     Under DDP the forward and backward of all but the group's last micro-batch run inside
-    no_sync(), so gradients are all-reduced once per update. After the last one: unscale (fp16) ->
+    no_sync(), so gradients are all-reduced once per update; under FSDP they are reduce-scattered
+    only after the last (set_requires_gradient_sync). After the last one: unscale (fp16) ->
     clip -> optimizer step (through the scaler) -> scaler update -> zero_grad -> scheduler step ->
     EMA update.
 
@@ -71,6 +74,8 @@ class UpdateStep:
         images = images.contiguous(memory_format=self.memory_format)  # a transform may return another layout
         last = micro_index == group_size - 1
         accumulate_locally = not last and isinstance(self.model, DistributedDataParallel)
+        if isinstance(self.model, FSDPModule):
+            self.model.set_requires_gradient_sync(last)
         with self.model.no_sync() if accumulate_locally else contextlib.nullcontext():
             with torch.autocast(self.device.type, dtype=self.autocast_dtype, enabled=self.autocast_dtype is not None):
                 loss = self.task.loss(self.model(images), targets)
@@ -87,7 +92,7 @@ class UpdateStep:
             if self.scaler:
                 self.scaler.unscale_(self.optimizer)
             parameters = [p for group in self.optimizer.param_groups for p in group["params"]]
-            self.grad_norm = nn.utils.clip_grad_norm_(parameters, self.clip_norm)
+            self.grad_norm = _local(nn.utils.clip_grad_norm_(parameters, self.clip_norm))  # FSDP: a replicated DTensor
             if self.scaler is None:  # with fp16 an inf norm only makes the scaler skip this step
                 self.finite.mul_(torch.isfinite(self.grad_norm))
         if self.scaler:
@@ -131,6 +136,11 @@ class UpdateStep:
         for name in ("scheduler", "scaler", "ema"):
             if getattr(self, name) is not None:
                 getattr(self, name).load_state_dict(state[name])
+
+
+def _local(tensor: torch.Tensor) -> torch.Tensor:
+    """A DTensor's local part (a sharded parameter's shard; a reduced value's full value); a plain tensor as is."""
+    return tensor.to_local() if isinstance(tensor, DTensor) else tensor
 
 
 def _bare(model: nn.Module) -> nn.Module:
@@ -317,6 +327,6 @@ def scaled_lr(optim_cfg, global_batch: int) -> float:
 
 
 def parameters_finite(model: nn.Module) -> torch.Tensor:
-    """A device flag (int32 0/1): every parameter and buffer of `model` is finite."""
-    flags = [torch.isfinite(t).all() for t in model.state_dict().values() if t.is_floating_point()]
+    """A device flag (int32 0/1): every parameter and buffer of `model` (this rank's shards, under FSDP) is finite."""
+    flags = [torch.isfinite(_local(t)).all() for t in model.state_dict().values() if t.is_floating_point()]
     return torch.stack(flags).all().to(torch.int32) if flags else torch.ones((), dtype=torch.int32)
