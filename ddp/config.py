@@ -218,7 +218,7 @@ class TrainConfig:
     # The GPUs this run may use, e.g. [0, 2] (seen as cuda:0 and cuda:1); null: all that CUDA_VISIBLE_DEVICES leaves
     devices: list[int] | None = None
     backend: str = "auto"  # auto | nccl | gloo; auto is nccl when CUDA is available, else gloo
-    syncbn: bool = False  # synchronize BatchNorm statistics across ranks (strategy=ddp)
+    syncbn: bool = False  # synchronize BatchNorm statistics across ranks (strategy=ddp or fsdp)
     deterministic: bool = False  # cuDNN picks deterministic algorithms only (exact resume on GPUs; slower)
     precision: str = "32"  # 32 | bf16 | 16 (fp16, with a GradScaler): autocast on the run's device
     channels_last: bool = False  # model and every input batch in channels_last memory format

@@ -96,6 +96,9 @@ def evaluate_checkpoint(cfg: DictConfig, env: DistEnv, backend: str, device: tor
     if dataset is None:
         raise ConfigError(f"data.split=test: this dataset ({cfg.data._target_}) has no test split; use data.split=val")
     path, checkpoint = find_resume_checkpoint(cfg.resume, run_dir, restarted=False)
+    if checkpoint.get("sharded"):
+        raise ConfigError(f"mode=eval: {path} is a sharded checkpoint (strategy=fsdp's), which mode=eval doesn't read yet; "
+                          "evaluate a checkpoint file")
     model = build_model({**checkpoint["config"]["model"], "weights_path": None}, splits.num_classes, splits.in_channels)
     check_model_accepts(model, dataset[0][0])
     load_model_state(model, checkpoint["model"], path)

@@ -106,6 +106,16 @@ def _checkpoint_file(tmp: Path) -> Path:
     return path
 
 
+def _sharded_checkpoint(tmp: Path) -> Path:
+    """What resume sees of one: DCP's index (here empty) and rank 0's state; beside tmp, whose *.pt files
+    would be checkpoints the run wrote."""
+    path = tmp.parent / f"{tmp.name}-sharded" / "step-00000001"
+    path.mkdir(parents=True)
+    (path / ".metadata").touch()
+    torch.save({"sharded": True, "global_step": 1}, path / "state.pt")
+    return path
+
+
 FSDP = ["strategy=fsdp", "strategy.nproc_per_node=2"]  # validated in this process, as the launcher does
 
 
@@ -249,6 +259,11 @@ OUR_ERRORS = {
     "fsdp_resuming_a_checkpoint_file": (
         QUICK + [*FSDP, "resume={dir}"], "resume", "strategy=fsdp doesn't resume from yet", _checkpoint_file,
     ),
+    "ddp_resuming_a_sharded_checkpoint": (
+        QUICK + ["strategy=ddp", "strategy.nproc_per_node=2", "resume={dir}"], "resume", "strategy=ddp doesn't resume from yet",
+        _sharded_checkpoint,
+    ),
+    "eval_of_a_sharded_checkpoint": (QUICK + ["mode=eval", "resume={dir}"], "mode=eval", "doesn't read yet", _sharded_checkpoint),
     "repeated_device": (QUICK + ["devices=[0,0]"], "devices=[0, 0]", "distinct GPU indices", None),
     "negative_device": (QUICK + ["devices=[-1]"], "devices=[-1]", "distinct GPU indices", None),
     "missing_weights_file": (QUICK + ["model.weights_path={tmp}/missing.pt"], "model.weights_path={tmp}/missing.pt", "not found", None),

@@ -3,16 +3,19 @@ batch, exact evaluation, and sharded checkpoints that resume bit-identically at 
 and with every sample trained once at another."""
 
 import json
+import os
 import re
 import shutil
+import subprocess
 from pathlib import Path
 
 import pytest
 import torch
 from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
 
-from conftest import TINY, check, launch, load_last, load_results, run_dirs
+from conftest import REPO, TINY, TORCHRUN, check, launch, load_last, load_results, run_dirs
 from ddp.checkpoint import load_checkpoint, load_latest_checkpoint
+from models.small_cnn import SmallCNN
 from test_elastic import records
 from test_fault_tolerance import assert_same_state, torchrun
 
@@ -108,12 +111,31 @@ def test_killed_rank_resumes_from_the_sharded_checkpoint_bit_identical(fsdp_run,
 @pytest.mark.parametrize("world_size", [1, 3])
 def test_resume_at_another_world_size_trains_every_sample_once(fsdp_run, tmp_path, world_size):
     """Saved by 2 ranks at step 10 (epoch 1, 2 batches in), resumed by 1 or 3: DCP reshards the model
-    and optimizer, and the rest of epoch 1 holds exactly the samples the checkpoint hadn't trained."""
-    result = launch(["strategy=fsdp", "syncbn=true", *TINY, f"resume={step_dir(fsdp_run, 10)}", "checkpoint.keep_best=0",
+    and optimizer, and the rest of epoch 1 holds exactly the samples the checkpoint hadn't trained. The
+    resumed run's best validation (step 16) is kept as best/ (checkpoint.keep_best=1, the default)."""
+    result = launch(["strategy=fsdp", "syncbn=true", *TINY, f"resume={step_dir(fsdp_run, 10)}",
                      "fault.record_samples_dir=resumed"], tmp_path, nproc=world_size)
     check(result)
     assert f"checkpoint has world_size=2, this run {world_size}" in result.stdout
     kept = [i for r in records(fsdp_run / "samples", attempt=0) if r["epoch"] == 1 and r["step"] <= 10 for i in r["ids"]]
     rest = [i for r in records(tmp_path / "resumed", attempt=0) if r["epoch"] == 1 for i in r["ids"]]
     assert len(kept) == 2 * 16 and sorted(kept + rest) == list(range(SAMPLES))
-    assert json.loads((run_dirs(tmp_path)[0] / "results.json").read_text())["val_samples"] == 37
+    (run_dir,) = run_dirs(tmp_path)
+    results = json.loads((run_dir / "results.json").read_text())
+    assert (results["val_samples"], results["best_step"]) == (37, 16)
+    best = load_checkpoint(run_dir / "checkpoints" / "best")
+    assert (best["global_step"], best["world_size"]) == (16, world_size)
+
+
+def test_every_rank_starts_from_the_same_weights(tmp_path):
+    """FSDP keeps each rank's slice of its own init (pytorch#148756): the full weights that 2 ranks'
+    shards make up are those of the model built in one process with the seed; a model whose init
+    depends on the rank is refused on every rank before it is sharded."""
+    result = subprocess.run([str(TORCHRUN), "--nproc_per_node=2", str(REPO / "tests" / "workers" / "fsdp_init.py"), str(tmp_path)],
+                            cwd=REPO, capture_output=True, text=True, timeout=120, env=os.environ | {"PYTHONPATH": str(REPO)})
+    check(result)
+    torch.manual_seed(0)
+    one_process = SmallCNN(num_classes=10, in_channels=3, channels=[8, 16]).state_dict()
+    assert_same_state(torch.load(tmp_path / "full.pt", weights_only=True), one_process)
+    for rank in (0, 1):
+        assert "the ranks built different initial weights" in (tmp_path / f"refusal_rank{rank}.txt").read_text()
