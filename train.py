@@ -6,7 +6,6 @@
 
 import contextlib
 import functools
-import logging
 import os
 import sys
 import time
@@ -16,7 +15,6 @@ from pathlib import Path
 import hydra
 import torch
 from hydra.core.hydra_config import HydraConfig
-from hydra.utils import instantiate
 from omegaconf import DictConfig, OmegaConf
 from torch.distributed.elastic.multiprocessing.errors import record
 
@@ -24,30 +22,31 @@ from data import build_datasets
 from data.vision import report_skipped_samples
 from ddp.best import BestTracker, check_best_settings, objective_key
 from ddp.checkpointer import Checkpointer
-from ddp.config import MULTI_PROCESS, check_model_accepts, instantiate_checked, optimizer_node, register_configs, validate
+from ddp.config import register_configs
+from ddp.config_checks import MULTI_PROCESS, check_model_accepts, validate
 from ddp.env import DistEnv, restrict_visible_gpus, select_device, use_deterministic_cudnn
 from ddp.evaluation import Validator, evaluate_checkpoint
 from ddp.failures import end_failed_job
 from ddp.fsdp import check_blocks
 from ddp.faults import SampleRecorder, slow_down
 from ddp.launch import launch_workers
-from ddp.loaders import build_train_loader, build_val_loader, iterate_from, start_epoch, start_worker_server
+from ddp.loader_workers import start_worker_server
+from ddp.loaders import build_train_loader, build_val_loader, iterate_from, start_epoch
 from ddp.meter import reset_peak_memory
 from ddp.monitor import RunMonitor
+from ddp.optimizer import build_optimizer, build_scheduler, check_optimizer, check_schedule, scaled_lr
 from ddp.preemption import resume_command
 from ddp.process_group import all_reduce_sum, process_group, replicas_identical, resolve_backend
 from ddp.rank_zero import quiet_console_on_other_ranks
-from ddp.resume import Position, check_checkpoint_kind, check_update_state_fits, find_resume_checkpoint, load_model_state, resume_training
+from ddp.resume import Position, check_update_state_fits, find_resume_checkpoint, load_resumed_weights, resume_training
 from ddp.results import log_hparams, log_results, log_setup, training_results, write_results
 from ddp.run_dir import register_resolvers
 from ddp.syncbn import warn_if_syncbn_without_ddp
 from ddp.training_length import TrainingLength
-from ddp.update import UpdateStep, build_scheduler, check_schedule, scaled_lr
+from ddp.update import UpdateStep
 from ddp.wrap import prepare_model, process_gpus, seed_this_rank
 from models import build_model
 from tasks import build_task
-
-log = logging.getLogger("train")
 
 
 def run(cfg: DictConfig, run_dir: Path, relaunch: str) -> dict:
@@ -78,18 +77,15 @@ def run(cfg: DictConfig, run_dir: Path, relaunch: str) -> dict:
     model = build_model(cfg.model, splits.num_classes, splits.in_channels)
     check_model_accepts(model, splits.val[0][0])
     check_blocks(model, cfg.strategy)
-    # the real optimizer needs the wrapped model; build one on a dummy now to reject bad settings early
-    instantiate_checked(optimizer_node(cfg.optim), "optim", params=[torch.zeros(1, requires_grad=True)])
-    start_worker_server(splits.train, cfg.data.num_workers)  # for DataLoader workers, while the rank sets up (ddp/loaders.py)
+    check_optimizer(cfg.optim)  # the real optimizer needs the wrapped model
+    start_worker_server(splits.train, cfg.data.num_workers)  # for DataLoader workers, while the rank sets up (ddp/loader_workers.py)
 
     # resume: weights load before wrapping, so DDP starts every rank from them
     # submitit runs a requeued job again in the same job dir; its first run finds no checkpoint there
     restarted = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")) > 0 or env.launcher == "submitit"
     resumed = find_resume_checkpoint(cfg.resume, run_dir, restarted)
     if resumed:
-        check_checkpoint_kind(resumed, cfg.strategy.name)
-        if not resumed[1].get("sharded"):  # a sharded checkpoint's shards load into the sharded model (resume_training)
-            load_model_state(model, resumed[1]["model"], resumed[0])
+        load_resumed_weights(model, resumed, cfg.strategy.name)
         check_update_state_fits(resumed[1], resumed[0], cfg)
     check_best_settings(cfg.checkpoint, cfg.trainer, cfg.task, run_epochs=length.epochs, task=task, model=model,
                         val_sample=splits.val[0], resumed=resumed)
@@ -108,7 +104,7 @@ def fit(cfg: DictConfig, env: DistEnv, device: torch.device, gpus: list[int], me
                                                    syncbn=cfg.syncbn, ema_decay=cfg.ema.decay, compile=cfg.compile,
                                                    compile_mode=cfg.compile_mode)
     lr = scaled_lr(cfg.optim, length.global_batch)
-    optimizer = instantiate(optimizer_node(cfg.optim), params=model.parameters(), lr=lr)
+    optimizer = build_optimizer(cfg.optim, model.parameters(), lr)
     scheduler = build_scheduler(cfg.scheduler, optimizer, length.total_updates, length.updates_per_epoch)
     update = UpdateStep(model, optimizer, task=task, device=device, precision=cfg.precision, scheduler=scheduler,
                         clip_norm=cfg.trainer.gradient_clip_norm, ema=ema, channels_last=cfg.channels_last)

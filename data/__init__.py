@@ -1,5 +1,5 @@
 """Datasets. Each builder returns DataSplits and takes its options as keyword arguments, checked
-against its own signature (ddp.config.builder_options); add one with a module here and a
+against its own signature (ddp.builder_options); add one with a module here and a
 conf/data/<name>.yaml. A dataset whose samples can't go through torch's default_collate (images of
 different sizes) names its own in a `collate_fn` attribute, which the loaders use (ddp/loaders.py)."""
 
@@ -7,7 +7,8 @@ from dataclasses import dataclass
 
 from torch.utils.data import Dataset
 
-from ddp.config import ConfigError, builder_options, instantiate_checked
+from ddp.builder_options import builder_options, instantiate_checked
+from ddp.config import ConfigError
 
 
 @dataclass

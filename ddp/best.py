@@ -69,15 +69,22 @@ def check_best_settings(checkpoint_cfg, trainer_cfg, task_cfg, *, run_epochs: in
                       run_epochs=run_epochs)
     check_metric_name(task_cfg.objective, "task.objective", task, model, val_sample)
     if resumed:
-        check_record_fits(resumed[1], ranked_metric(task_cfg.objective, checkpoint_cfg.best_of), resumed[0])
+        check_record_fits(resumed[1], ranked_metric(task_cfg.objective, checkpoint_cfg.best_of), task_cfg.direction,
+                          resumed[0])
 
 
-def check_record_fits(checkpoint: dict, metric: str, source) -> None:
-    """A resumed run ranks its validations by the metric its checkpoint's record does."""
+def check_record_fits(checkpoint: dict, metric: str, direction: str, source) -> None:
+    """A resumed run goes on with its checkpoint's record of the best (best value, kept files, patience
+    count), so it must rank validations as that run did: another metric or direction is refused, not
+    mixed into the record. A new run from the same weights starts a record of its own."""
     record = checkpoint.get("best")
-    if record is not None and record["metric"] != metric:
-        raise ConfigError(f"resume: {source} ranked its validations by {record['metric']}, this run would by {metric}: "
-                          "resume with the task.objective and checkpoint.best_of it was trained with")
+    if record is None:  # a checkpoint from before the record: the record starts afresh
+        return
+    recorded = (record["metric"], record.get("direction", direction))  # no direction: saved before it was recorded
+    if recorded != (metric, direction):
+        raise ConfigError(f"resume: {source} ranked its validations by {recorded[0]} ({recorded[1]}), this run would by "
+                          f"{metric} ({direction}): resume with the task.objective, task.direction and checkpoint.best_of "
+                          f"it was trained with, or start a new run from its weights with model.weights_path={source}")
 
 
 class BestTracker:
@@ -144,7 +151,8 @@ class BestTracker:
 
     def state_dict(self) -> dict:
         """Plain containers, for the checkpoint."""
-        return {"metric": self.metric, "best": self.best, "kept": self.kept, "reference": self.reference,
+        return {"metric": self.metric, "direction": "maximize" if self.maximize else "minimize", "best": self.best,
+                "kept": self.kept, "reference": self.reference,
                 "validations_without_improvement": self.validations_without_improvement, "stopped": self.stopped,
                 "max_epochs": self.max_epochs}
 

@@ -11,14 +11,16 @@ from omegaconf import DictConfig
 from torch import nn
 from torch.distributed.elastic.multiprocessing.errors import record
 
-from ddp.config import MULTI_PROCESS, ConfigError, check_model_accepts
+from ddp.config import ConfigError
+from ddp.config_checks import MULTI_PROCESS, check_model_accepts
+from ddp.ema import build_ema
 from ddp.env import DistEnv
 from ddp.fsdp import is_sharded
-from ddp.loaders import build_val_loader, start_worker_server
+from ddp.loader_workers import start_worker_server
+from ddp.loaders import build_val_loader
 from ddp.process_group import all_reduce_max, all_reduce_sum, broadcast_buffers_from_rank_zero, process_group
 from ddp.rank_zero import write_json
 from ddp.resume import find_resume_checkpoint, load_model_state
-from ddp.update import build_ema
 from ddp.wrap import wrap_model
 
 log = logging.getLogger("train")  # the run's own console lines, under the script's name

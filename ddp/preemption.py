@@ -17,7 +17,7 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-from ddp.loaders import shut_down_workers
+from ddp.loader_workers import shut_down_workers
 
 log = logging.getLogger(__name__)
 

@@ -12,9 +12,9 @@ from torch import nn
 
 from ddp.checkpoint import CheckpointError, is_sharded_checkpoint, load_checkpoint, load_latest_checkpoint
 from ddp.config import ConfigError
-from ddp.loaders import resume_point
+from ddp.optimizer import resume_schedule
+from ddp.samplers import resume_point
 from ddp.sharded_checkpoint import load_sharded_state
-from ddp.update import resume_schedule
 
 log = logging.getLogger(__name__)
 
@@ -24,7 +24,7 @@ class Position:
     """Where training stands; a checkpoint stores it, and a resumed run continues from it.
 
     Within an epoch the checkpoint holds the global samples trained: the epoch's shuffled order is
-    the same at any world size (ddp/loaders.py), so a resume at another world size continues it
+    the same at any world size (ddp/samplers.py), so a resume at another world size continues it
     exactly. The loop counts batches of its loader, which began the epoch at sample `epoch_start`.
     """
 
@@ -139,14 +139,17 @@ def find_resume_checkpoint(resume: str | None, run_dir: Path, restarted: bool) -
         raise ConfigError(f"resume={resume}: {error}") from None
 
 
-def check_checkpoint_kind(resumed: tuple[Path, dict[str, Any]], strategy: str) -> None:
-    """strategy=fsdp resumes from sharded checkpoints (dirs), the others from checkpoint files."""
+def load_resumed_weights(model: nn.Module, resumed: tuple[Path, dict[str, Any]], strategy: str) -> None:
+    """The checkpoint's weights into the bare `model`. strategy=fsdp resumes from sharded checkpoints
+    (dirs), whose shards load into the sharded model (resume_training); the others from checkpoint files."""
     path, checkpoint = resumed
     if bool(checkpoint.get("sharded")) != (strategy == "fsdp"):
         kind = "a sharded checkpoint (strategy=fsdp's)" if checkpoint.get("sharded") else "a checkpoint file"
         raise ConfigError(f"resume: {path} is {kind}, which strategy={strategy} doesn't resume from yet; resume it with "
                           f"strategy={'fsdp' if checkpoint.get('sharded') else 'single, dp or ddp'}, or start from its weights "
                           "with model.weights_path")
+    if not checkpoint.get("sharded"):
+        load_model_state(model, checkpoint["model"], path)
 
 
 def load_model_state(model: nn.Module, state_dict: dict[str, torch.Tensor], source: Path) -> None:

@@ -14,7 +14,7 @@ from hydra.types import RunMode
 from omegaconf import DictConfig, OmegaConf
 
 from ddp.best import objective_key
-from ddp.config import MULTI_PROCESS
+from ddp.config_checks import MULTI_PROCESS
 from ddp.env import DistEnv
 from ddp.preemption import Interrupted
 

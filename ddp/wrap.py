@@ -8,11 +8,11 @@ import torch
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 
-from ddp.config import MULTI_PROCESS
+from ddp.config_checks import MULTI_PROCESS
+from ddp.ema import EMA, build_ema
 from ddp.env import DistEnv
 from ddp.fsdp import shard_model
 from ddp.syncbn import convert_syncbn
-from ddp.update import EMA, build_ema
 
 log = logging.getLogger(__name__)
 

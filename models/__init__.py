@@ -1,11 +1,11 @@
 """Models. Each is built as `_target_(num_classes=..., in_channels=..., **options)`, its options
-checked against its own signature (ddp.config.builder_options); model.weights_path then loads local
+checked against its own signature (ddp.builder_options); model.weights_path then loads local
 weights into it (models/weights.py), into its backbone only with model.weights_scope=backbone
 (models/segmentation.py)."""
 
 from torch import nn
 
-from ddp.config import builder_options, instantiate_checked
+from ddp.builder_options import builder_options, instantiate_checked
 from models.segmentation import load_weights_scoped
 
 

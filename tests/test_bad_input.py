@@ -1,7 +1,7 @@
 """Bad command lines fail fast and clearly: a non-zero exit, a message naming the key, no Python
 traceback, and nothing trained or saved (no TensorBoard events, no checkpoint).
 
-Our own checks (ddp/config.py `validate`, `resolve_backend`, the data builders) print exactly one
+Our own checks (ddp/config_checks.py `validate`, `resolve_backend`, the data builders) print exactly one
 line `error: <message>` on stderr and exit 1; Hydra's composition errors are Hydra's own messages.
 """
 

@@ -10,9 +10,13 @@ from pathlib import Path
 
 import pytest
 import torch
+import torch.distributed as dist
+from hydra import compose, initialize_config_dir
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
-from conftest import check, launch, run_dirs
+import train
+from conftest import REPO, check, launch, run_dirs
+from ddp.config import ConfigError
 from test_fault_tolerance import assert_bit_identical, assert_same_state
 
 # Synthetic labels are random: a high LR memorises them and the val loss rises after the second
@@ -27,6 +31,9 @@ BEST = ["strategy=single", "data=synthetic", "data.num_samples=64", "data.num_va
 # A rank that went on alone would wait in its next collective: strategy.timeout_s ends that job soon.
 EARLY = ["strategy=ddp", *BEST[1:], "trainer.max_epochs=10", "checkpoint.every_n_steps=0", "trainer.early_stop_patience=2",
          "strategy.timeout_s=30"]
+# The EMA weights (decay 0.9 per update) rank: their val losses 2.333 (step 8, the best), 2.368 (step 16),
+# while the raw model's 2.475 and 2.425 would make step 16 the best.
+EMA = [*BEST, "trainer.max_epochs=2", "ema.decay=0.9", "checkpoint.best_of=ema", "checkpoint.keep_best=1"]
 
 
 def the_run_dir(cwd: Path) -> Path:
@@ -46,6 +53,13 @@ def scalars(run_dir: Path, tag: str) -> list[tuple[int, float]]:
     accumulator = EventAccumulator(str(run_dir))
     accumulator.Reload()
     return [(event.step, event.value) for event in accumulator.Scalars(tag)]
+
+
+def evaluate(checkpoint: Path, cwd: Path) -> dict:
+    """mode=eval of `checkpoint` on BEST's data, in one process: its eval.json."""
+    check(launch(["mode=eval", f"resume={checkpoint}", *BEST[1:6]], cwd))
+    (evaluation,) = [json.loads(path.read_text()) for path in cwd.rglob("eval.json")]
+    return evaluation
 
 
 @pytest.fixture(scope="module")
@@ -69,9 +83,7 @@ def test_best_pt_holds_the_best_validation_and_evaluates_to_it_exactly(best_run,
 
     best = load(best_run / "checkpoints" / "best.pt")
     assert best["global_step"] == 16 and best["best"]["best"]["step"] == 16
-    result = launch(["mode=eval", f"resume={best_run / 'checkpoints' / 'best.pt'}", *BEST[1:6]], tmp_path)
-    check(result)
-    (evaluation,) = [json.loads(path.read_text()) for path in tmp_path.rglob("eval.json")]
+    evaluation = evaluate(best_run / "checkpoints" / "best.pt", tmp_path)
     assert evaluation["step"] == 16
     for key in ("val_loss", "val_accuracy"):
         assert evaluation[key] == results[f"best_{key}"], key  # exactly: the same model, the same exact evaluation
@@ -109,6 +121,63 @@ def test_kill_and_resume_between_improvements_ends_as_the_uninterrupted_run(best
 
 
 @pytest.fixture(scope="module")
+def ema_run(tmp_path_factory) -> Path:
+    cwd = tmp_path_factory.mktemp("ema")
+    check(launch(EMA, cwd))
+    return the_run_dir(cwd)
+
+
+def test_best_of_ema_keeps_the_ema_weights_best_validation(ema_run, tmp_path):
+    """checkpoint.best_of=ema: the EMA weights' val loss ranks (best at step 8, though the raw model's
+    best is at step 16). best.pt is step 8's checkpoint, and its mode=eval gives that validation's
+    metrics exactly: the EMA weights' (the recorded best) and the raw model's."""
+    results = results_of(ema_run)
+    ema_losses, losses = dict(scalars(ema_run, "val/ema_loss")), dict(scalars(ema_run, "val/loss"))
+    assert results["best_metric"] == "val_ema_loss"
+    assert results["best_step"] == min(ema_losses, key=ema_losses.get) == 8
+    assert min(losses, key=losses.get) == 16  # ranked by the raw model, step 16 would be the best
+    assert [value for _, value in scalars(ema_run, "val/best_ema_loss")] == pytest.approx([ema_losses[8]] * 2, rel=1e-6)
+
+    best = load(ema_run / "checkpoints" / "best.pt")
+    assert best["global_step"] == 8 and best["best"]["best"]["step"] == 8
+    evaluation = evaluate(ema_run / "checkpoints" / "best.pt", tmp_path)
+    assert evaluation["step"] == 8
+    for key in ("val_ema_loss", "val_ema_accuracy", "val_loss", "val_accuracy"):
+        assert evaluation[key] == results[f"best_{key}"], key  # exactly: the same weights, the same exact evaluation
+
+
+# Each: the run resumed, the overrides that change how it ranks, its record's metric, this run's.
+RANKED_OTHERWISE = {
+    "another_objective": ("best_run", ["task.objective=val_accuracy", "task.direction=maximize"],
+                          "val_loss (minimize)", "val_accuracy (maximize)"),
+    "another_direction": ("best_run", ["task.direction=maximize"], "val_loss (minimize)", "val_loss (maximize)"),
+    "another_best_of": ("ema_run", ["checkpoint.best_of=model"], "val_ema_loss (minimize)", "val_loss (minimize)"),
+}
+
+
+@pytest.mark.parametrize("fixture, changed, recorded, wanted", RANKED_OTHERWISE.values(), ids=RANKED_OTHERWISE.keys())
+def test_a_resume_that_would_rank_otherwise_is_a_one_line_error_before_anything_starts(
+        request, tmp_path, monkeypatch, fixture, changed, recorded, wanted):
+    """The record (best value, kept files, patience count) was made by one metric in one direction;
+    a resume by another would mix them. train.run, in this process: one line naming the keys and the
+    two ways on, raised before a process group exists or a file of the run dir changes."""
+    run_dir = request.getfixturevalue(fixture)
+    args = EMA if fixture == "ema_run" else BEST
+    before = {path: path.stat().st_mtime_ns for path in run_dir.rglob("*")}
+    monkeypatch.chdir(tmp_path)
+    with initialize_config_dir(config_dir=str(REPO / "conf"), version_base="1.3"):
+        cfg = compose("config", overrides=[*args, f"resume={run_dir}", *changed])
+    with pytest.raises(ConfigError) as error:
+        train.run(cfg, run_dir, relaunch="")
+    line = str(error.value)
+    assert "\n" not in line
+    assert f"ranked its validations by {recorded}, this run would by {wanted}" in line, line
+    assert "task.objective, task.direction and checkpoint.best_of" in line and "model.weights_path=" in line, line
+    assert not dist.is_initialized()
+    assert {path: path.stat().st_mtime_ns for path in run_dir.rglob("*")} == before
+
+
+@pytest.fixture(scope="module")
 def early_run(tmp_path_factory):
     cwd = tmp_path_factory.mktemp("early")
     result = launch(EARLY, cwd, nproc=2)
@@ -143,13 +212,27 @@ def test_resuming_a_stopped_run_trains_nothing_more_unless_the_patience_grew(ear
     check(launch([*EARLY[1:], f"resume={run_dir}", "strategy=single", "trainer.early_stop_patience=3"], tmp_path / "copy"))
     longer = results_of(run_dir)
     assert longer["steps"] > 12 and longer["best_step"] == 4  # the record carried over: step 4's best still counts
+    # and the count: at 2 already, the next validation without improvement (one epoch: 8 steps in one process) stops it
+    assert (longer["steps"], longer["stopped_early"], longer["stopped_epoch"]) == (20, True, 3)
+
+
+def test_resuming_a_stopped_run_with_more_epochs_goes_on_with_its_record(early_run, tmp_path):
+    """trainer.max_epochs 10 -> 11 at the same patience: the run continues with its best (step 4) and its
+    count (2 of 2), so the first validation without improvement, one epoch on, stops it again."""
+    run_dir = shutil.copytree(early_run[0], tmp_path / "copy" / "run")
+    check(launch([*EARLY[1:], f"resume={run_dir}", "strategy=single", "trainer.max_epochs=11"], tmp_path / "copy"))
+    results = results_of(run_dir)
+    assert (results["steps"], results["stopped_early"], results["stopped_epoch"], results["best_step"]) == (20, True, 3, 4)
+    reason = "val_loss did not improve by more than 0 for 2 validations (best 2.3829 at step 4)"
+    assert results["stop_reason"] == reason
 
 
 def test_a_sweep_ranks_its_jobs_by_their_best_validation(tmp_path):
     """trainer.objective=best: the summary's objective column is best_val_loss, each job's results.json's,
-    and the job with the lowest one is marked best."""
+    and the job with the lowest one is marked best. Ranked by the final val loss the other job would win:
+    lr 0.2's val losses are 2.388, 2.485; lr 0.5's 2.475, 2.425."""
     result = launch(["-m", *BEST, "trainer.max_epochs=2", "checkpoint.keep_best=1", "trainer.objective=best",
-                     "optim.lr=0.5,0.05"], tmp_path)
+                     "optim.lr=0.5,0.2"], tmp_path)
     check(result)
     (summary,) = tmp_path.rglob("summary.csv")
     with open(summary, newline="") as f:
@@ -160,3 +243,4 @@ def test_a_sweep_ranks_its_jobs_by_their_best_validation(tmp_path):
         assert float(row["best_val_loss"]) == results_of(job)["best_val_loss"]
     winner = min(rows, key=lambda row: float(row["best_val_loss"]))
     assert [row["best"] for row in rows] == [str(row is winner) for row in rows]
+    assert min(rows, key=lambda row: float(row["val_loss"])) is not winner

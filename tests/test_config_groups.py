@@ -26,7 +26,10 @@ from models.resnet import build_resnet18
 from models.segmentation import build_segmentation_model, small_segnet
 from models.small_cnn import SmallCNN
 from models.zoo import build_timm, build_torchvision
-from ddp.config import ConfigError, builder_options, optimizer_node, register_configs, validate
+from ddp.builder_options import builder_options
+from ddp.config import ConfigError, register_configs
+from ddp.config_checks import validate
+from ddp.optimizer import optimizer_node
 from ddp.run_dir import register_resolvers
 from tasks.classification import ClassificationTask
 from tasks.segmentation import SegmentationTask

@@ -11,16 +11,8 @@ from torch.utils.data import DistributedSampler, TensorDataset
 
 from ddp.env import DistEnv
 from ids_and_noise import IdsAndNoise
-from ddp.loaders import (
-    build_train_loader,
-    build_val_loader,
-    epoch_order,
-    iterate_from,
-    rest_of_epoch,
-    resume_point,
-    shard_indices,
-    start_epoch,
-)
+from ddp.loaders import build_train_loader, build_val_loader, iterate_from, start_epoch
+from ddp.samplers import epoch_order, rest_of_epoch, resume_point, shard_indices
 from ddp.resume import Position, capture_rank_state, checkpoint_state, resume_position
 from ddp.update import UpdateStep
 from tasks.classification import ClassificationTask

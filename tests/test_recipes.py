@@ -16,7 +16,7 @@ from conftest import (REPO, TINY, TORCHRUN, TRAIN, check, hparams_table, launch,
 from data import build_datasets
 from ddp.env import DistEnv
 from ddp.loaders import build_val_loader
-from ddp.update import build_ema
+from ddp.ema import build_ema
 from models import build_model
 from models.small_cnn import SmallCNN
 from ddp.evaluation import evaluate

@@ -16,7 +16,8 @@ from conftest import REPO, TINY, TORCHRUN, TRAIN, check, job_dir, job_numbers, l
 from data import build_datasets
 from ddp.env import DistEnv
 from ddp.loaders import build_val_loader
-from ddp.run_dir import _holder, _prune_dead_claims
+from ddp.dir_lock import lock_holder
+from ddp.run_dir import _prune_dead_claims
 from models import build_model
 from test_fault_tolerance import _clean_env, assert_same_state, last_checkpoint
 from ddp.evaluation import evaluate
@@ -160,7 +161,7 @@ def test_a_restart_of_a_days_old_run_keeps_its_dir_while_another_launch_prunes_c
             assert time.monotonic() < deadline, "the claim stayed empty"
             time.sleep(0.02)
         run_dir = tmp_path / claim.read_text()
-        while not (list(run_dir.glob("checkpoints/step-*.pt")) and _holder(run_dir) is None):  # rank 0 saved, then died
+        while not (list(run_dir.glob("checkpoints/step-*.pt")) and lock_holder(run_dir) is None):  # rank 0 saved, then died
             assert time.monotonic() < deadline, "rank 0 was not killed"
             time.sleep(0.02)
         two_days_ago = time.time() - 2 * 24 * 3600
@@ -181,7 +182,7 @@ def test_a_restart_of_a_days_old_run_keeps_its_dir_while_another_launch_prunes_c
 def test_claims_are_pruned_once_their_agent_is_gone(tmp_path, monkeypatch):
     """Claims that a process wrote under a torchrun run id: kept while that process's parent (its
     agent) lives, pruned by the next launch once the agent has ended."""
-    record = "import ddp.run_dir as r; r.agreed('run_dir', lambda: 'outputs/x')"
+    record = "import ddp.launch_agreement as r; r.agreed('run_dir', lambda: 'outputs/x')"
     env = {k: v for k, v in _clean_env().items() if k != "TORCHELASTIC_USE_AGENT_STORE"} | {"PYTHONPATH": str(REPO)}
     live = subprocess.run([sys.executable, "-c", record], cwd=tmp_path, env=env | {"TORCHELASTIC_RUN_ID": "live"})
     # the shell is the agent here, and it ends right after (`; true` keeps it from exec-ing python)

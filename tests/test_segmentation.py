@@ -21,7 +21,8 @@ from data.segmentation_transforms import IGNORE_INDEX, eval_transforms, pad_coll
 from data.shapes import build_shapes
 from data.voc import build_voc
 from conftest import REPO
-from ddp.config import ConfigError, validate
+from ddp.config import ConfigError
+from ddp.config_checks import validate
 from ddp.env import DistEnv
 from ddp.rank_zero import RankZeroWriter
 from models import build_model
@@ -494,7 +495,7 @@ def test_datasets_name_their_classes_and_voc_collates_its_own_batches(tmp_path):
 
 def test_voc_evaluation_is_the_same_at_any_world_size_as_shipped(tmp_path):
     """data=voc's images differ in size; evaluated at data.val_batch_size=1 (its default) no image is
-    padded, so each rank's shard (ddp/loaders.py) sums to exactly the one-process evaluation."""
+    padded, so each rank's shard (ddp/samplers.py) sums to exactly the one-process evaluation."""
     from hydra import compose, initialize_config_dir
 
     from data import build_datasets

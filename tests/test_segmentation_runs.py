@@ -90,6 +90,12 @@ def test_tensorboard_gets_the_metrics_and_an_image_grid_at_each_validation(learn
     assert len({image.encoded_image_string for image in images}) == 3  # the predictions change as it learns
     assert accumulator.Scalars("val/miou")[-1].value == pytest.approx(results["val_miou"])
     assert accumulator.Scalars("val/iou/disc")[-1].value == pytest.approx(results["val_iou/disc"])
+    # the task's objective ranks the validations for best.pt: val_miou, higher is better
+    mious = {scalar.step: scalar.value for scalar in accumulator.Scalars("val/miou")}
+    best_step = max(mious, key=mious.get)
+    assert results["best_step"] == best_step and results["best_val_miou"] == pytest.approx(mious[best_step])
+    assert [scalar.value for scalar in accumulator.Scalars("val/best_miou")] == pytest.approx(
+        [max(list(mious.values())[:n]) for n in range(1, len(mious) + 1)])
 
 
 # --- evaluation: exact at any world size, and the saved model's -------------------------------------

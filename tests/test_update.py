@@ -13,7 +13,9 @@ from torch import nn
 from torch.optim.swa_utils import AveragedModel, get_ema_multi_avg_fn
 
 from ddp.evaluation import evaluate
-from ddp.update import UpdateStep, build_ema, build_scheduler, resume_schedule
+from ddp.ema import build_ema
+from ddp.optimizer import build_scheduler, resume_schedule
+from ddp.update import UpdateStep
 from models.small_cnn import SmallCNN
 from tasks.classification import ClassificationTask
 from workers.host_reads import HostReads
