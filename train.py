@@ -135,7 +135,7 @@ def fit(cfg: DictConfig, env: DistEnv, device: torch.device, gpus: list[int], me
         checkpointer.save_if_unsaved(position)  # save and summarise (rank 0)
         log_hparams(monitor.writer, cfg, length, lr, env.world_size, metrics, position.global_step)
     results = training_results(cfg, metrics, best.results(), position, length, lr, env.world_size, len(splits.train),
-                               monitor.performance(wall_s), replicas_identical(raw_model, include_buffers=True),
+                               monitor.performance(wall_s, update.state_bytes()), replicas_identical(raw_model, include_buffers=True),
                                report_skipped_samples(splits, device))
     write_results(results, run_dir, env)
     return results

@@ -11,6 +11,7 @@ from omegaconf import DictConfig
 from torch import nn
 from torch.distributed.elastic.multiprocessing.errors import record
 
+from ddp.checkpoint import CheckpointError
 from ddp.config import ConfigError
 from ddp.config_checks import MULTI_PROCESS, check_model_accepts
 from ddp.ema import build_ema
@@ -21,6 +22,7 @@ from ddp.loaders import build_val_loader
 from ddp.process_group import all_reduce_max, all_reduce_sum, broadcast_buffers_from_rank_zero, process_group
 from ddp.rank_zero import write_json
 from ddp.resume import find_resume_checkpoint, load_model_state
+from ddp.sharded_checkpoint import full_model_state
 from ddp.wrap import wrap_model
 
 log = logging.getLogger("train")  # the run's own console lines, under the script's name
@@ -98,12 +100,13 @@ def evaluate_checkpoint(cfg: DictConfig, env: DistEnv, backend: str, device: tor
     if dataset is None:
         raise ConfigError(f"data.split=test: this dataset ({cfg.data._target_}) has no test split; use data.split=val")
     path, checkpoint = find_resume_checkpoint(cfg.resume, run_dir, restarted=False)
-    if checkpoint.get("sharded"):
-        raise ConfigError(f"mode=eval: {path} is a sharded checkpoint (strategy=fsdp's), which mode=eval doesn't read yet; "
-                          "evaluate a checkpoint file")
+    try:  # a sharded checkpoint (strategy=fsdp's) reads back whole, so any strategy and world size evaluates it
+        state = full_model_state(path) if checkpoint.get("sharded") else checkpoint["model"]
+    except CheckpointError as error:
+        raise ConfigError(f"resume={cfg.resume}: {error}") from None
     model = build_model({**checkpoint["config"]["model"], "weights_path": None}, splits.num_classes, splits.in_channels)
     check_model_accepts(model, dataset[0][0])
-    load_model_state(model, checkpoint["model"], path)
+    load_model_state(model, state, path)
     ema = None
     if checkpoint.get("ema") is not None:
         ema = build_ema(model, decay=0.5)  # the decay plays no part in evaluation

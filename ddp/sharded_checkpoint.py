@@ -6,7 +6,8 @@ else a resume needs (position, schedule, the run's config, every rank's RNG and 
 its rank, the optimizer's param_groups), written as ddp/checkpoint.py writes a checkpoint file, and
 renames the dir to `step-<N>`: a kill mid-save leaves no `step-<N>` for resume=auto to pick.
 
-DCP reshards on load (`set_state_dict`), so a checkpoint resumes at any world size. The DCP part
+DCP reshards on load (`set_state_dict`), so a checkpoint resumes at any world size, and its model
+reads back whole in one process (`full_model_state`: mode=eval, the export to one file). The DCP part
 holds tensors only; `state.pt` loads with weights_only=True. DCP's own `.metadata` is a pickle,
 which torch reads with pickle.load: load sharded checkpoints only from sources you trust.
 """
@@ -16,12 +17,16 @@ import shutil
 from pathlib import Path
 from typing import Any
 
+import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch import nn
+from torch.distributed.checkpoint import FileSystemReader
+from torch.distributed.checkpoint.api import CheckpointException
+from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 
-from ddp.checkpoint import SHARDED_STATE, checkpoint_dir, fsync_dir, save_checkpoint
+from ddp.checkpoint import SHARDED_STATE, CheckpointError, checkpoint_dir, fsync_dir, save_checkpoint
 
 
 def save_sharded_checkpoint(model: nn.Module, optimizer, state: dict[str, Any], run_dir: Path, step: int,
@@ -57,3 +62,19 @@ def load_sharded_state(path: Path, model: nn.Module, optimizer, param_groups: li
     dcp.load({"model": model_state, "optimizer": optimizer_state["state"]}, checkpoint_id=path)
     set_state_dict(model, optimizer, model_state_dict=model_state,
                    optim_state_dict={"state": optimizer_state["state"], "param_groups": param_groups})
+
+
+def full_model_state(path: Path) -> dict[str, torch.Tensor]:
+    """The sharded checkpoint's model as one plain state_dict of full tensors, read in this process
+    alone (no process group, any world size and strategy): DCP fills tensors of the saved full shapes
+    from every rank's shards. Buffers are rank 0's (Checkpointer saves those)."""
+    try:
+        metadata = FileSystemReader(path).read_metadata()
+        state = {key.removeprefix("model."): torch.empty(entry.size, dtype=entry.properties.dtype)
+                 for key, entry in metadata.state_dict_metadata.items()
+                 if key.startswith("model.") and isinstance(entry, TensorStorageMetadata)}
+        dcp.load({"model": state}, checkpoint_id=path, no_dist=True)
+    except (Exception, CheckpointException) as error:  # DCP's CheckpointException is a BaseException
+        reason = str(error).strip().splitlines()[0] if str(error).strip() else type(error).__name__
+        raise CheckpointError(f"{path}: unreadable sharded checkpoint ({reason})") from None
+    return state

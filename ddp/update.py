@@ -59,6 +59,7 @@ class UpdateStep:
         self.lr = optimizer.param_groups[0]["lr"]  # that the last update used
         self.precision = precision
         self.checked_step = 0  # every loss up to this update was finite
+        self.gradient_bytes = 0  # this rank's, measured at the first update (state_bytes)
 
     def micro_step(self, images: torch.Tensor, targets: torch.Tensor, micro_index: int, group_size: int) -> torch.Tensor:
         """Forward and backward of one micro-batch; the update itself after the group's last. Returns the loss."""
@@ -94,6 +95,8 @@ class UpdateStep:
             self.scaler.update()
         else:
             self.optimizer.step()
+        if not self.gradient_bytes:  # once: the gradients the optimizer steps with (this rank's shards, under FSDP)
+            self.gradient_bytes = local_bytes(p.grad for group in self.optimizer.param_groups for p in group["params"] if p.grad is not None)
         self.optimizer.zero_grad(set_to_none=True)
         if self.scheduler is not None:
             self.scheduler.step()
@@ -117,6 +120,12 @@ class UpdateStep:
             )
         self.checked_step = step
 
+    def state_bytes(self) -> list[int]:
+        """This rank's bytes of parameters, gradients (as at an update) and optimizer state, from the
+        tensors it holds: under FSDP its local shards, so the figures show what sharding saves."""
+        optimizer_state = [t for state in self.optimizer.state.values() for t in state.values() if isinstance(t, torch.Tensor)]
+        return [local_bytes(self.model.parameters()), self.gradient_bytes, local_bytes(optimizer_state)]
+
     def state_dict(self) -> dict:
         """What a resume needs besides the model and optimizer."""
         return {
@@ -135,6 +144,11 @@ class UpdateStep:
 def _local(tensor: torch.Tensor) -> torch.Tensor:
     """A DTensor's local part (a sharded parameter's shard; a reduced value's full value); a plain tensor as is."""
     return tensor.to_local() if isinstance(tensor, DTensor) else tensor
+
+
+def local_bytes(tensors) -> int:
+    """The bytes of `tensors` on this rank (a DTensor's local shard only)."""
+    return sum(_local(t).numel() * t.element_size() for t in tensors)
 
 
 def _bare(model: nn.Module) -> nn.Module:

@@ -263,7 +263,9 @@ OUR_ERRORS = {
         QUICK + ["strategy=ddp", "strategy.nproc_per_node=2", "resume={dir}"], "resume", "strategy=ddp doesn't resume from yet",
         _sharded_checkpoint,
     ),
-    "eval_of_a_sharded_checkpoint": (QUICK + ["mode=eval", "resume={dir}"], "mode=eval", "doesn't read yet", _sharded_checkpoint),
+    "eval_of_an_unreadable_sharded_checkpoint": (
+        QUICK + ["mode=eval", "resume={dir}"], "resume", "unreadable sharded checkpoint", _sharded_checkpoint,
+    ),
     "repeated_device": (QUICK + ["devices=[0,0]"], "devices=[0, 0]", "distinct GPU indices", None),
     "negative_device": (QUICK + ["devices=[-1]"], "devices=[-1]", "distinct GPU indices", None),
     "missing_weights_file": (QUICK + ["model.weights_path={tmp}/missing.pt"], "model.weights_path={tmp}/missing.pt", "not found", None),

@@ -7,15 +7,18 @@ import os
 import re
 import shutil
 import subprocess
+import sys
 from pathlib import Path
 
 import pytest
 import torch
+from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
 
 from conftest import REPO, TINY, TORCHRUN, check, launch, load_last, load_results, run_dirs
 from ddp.checkpoint import load_checkpoint, load_latest_checkpoint
 from models.small_cnn import SmallCNN
+from models.weights import load_weights
 from test_elastic import records
 from test_fault_tolerance import assert_same_state, torchrun
 
@@ -139,3 +142,71 @@ def test_every_rank_starts_from_the_same_weights(tmp_path):
     assert_same_state(torch.load(tmp_path / "full.pt", weights_only=True), one_process)
     for rank in (0, 1):
         assert "the ranks built different initial weights" in (tmp_path / f"refusal_rank{rank}.txt").read_text()
+
+
+def test_each_rank_holds_about_half_of_ddps_parameters_gradients_and_optimizer_state(fsdp_run, ddp_run):
+    """results.json's per-rank bytes, from the tensors each rank holds: under DDP every rank the whole
+    model, its gradients and its momentum buffers; under fsdp on 2 ranks at most 55% of that each,
+    and the shards together at least the whole."""
+    fsdp, ddp = load_results(fsdp_run), load_results(ddp_run[0])
+    model_bytes = 4 * sum(p.numel() for p in SmallCNN(num_classes=10, in_channels=3, channels=[8, 16]).parameters())
+    for kind in ("parameter", "gradient", "optimizer_state"):  # SGD with momentum: one buffer per parameter
+        assert ddp[f"{kind}_bytes_per_rank"] == [model_bytes, model_bytes], kind
+        shards = fsdp[f"{kind}_bytes_per_rank"]
+        assert len(shards) == 2 and all(0 < rank <= 0.55 * model_bytes for rank in shards) and sum(shards) >= model_bytes, kind
+
+
+def test_export_writes_one_plain_state_dict_for_the_bare_model_and_weights_path(fsdp_run, tmp_path):
+    """`make export CKPT=<step dir>` (python -m ddp.export) writes <dir>/model.pt: the full weights,
+    loading with weights_only=True into the unwrapped model, and through model.weights_path."""
+    checkpoint = shutil.copytree(step_dir(fsdp_run, 16), tmp_path / "step-00000016")
+    assert f"-m ddp.export {checkpoint}" in subprocess.run(["make", "-n", "export", f"CKPT={checkpoint}"], cwd=REPO,
+                                                            capture_output=True, text=True).stdout
+    result = subprocess.run([sys.executable, "-m", "ddp.export", str(checkpoint)], cwd=tmp_path, capture_output=True,
+                            text=True, timeout=120, env=os.environ | {"PYTHONPATH": str(REPO)})
+    check(result)
+    exported = torch.load(checkpoint / "model.pt", weights_only=True)
+    (tmp_path / "full").mkdir()
+    assert_same_state(exported, full_state(step_dir(fsdp_run, 16), tmp_path / "full")["model"])  # torch's own converter
+    SmallCNN(num_classes=10, in_channels=3, channels=[8, 16]).load_state_dict(exported, strict=True)
+    model = SmallCNN(num_classes=10, in_channels=3, channels=[8, 16])
+    load_weights(model, str(checkpoint / "model.pt"), num_classes=10)
+    assert_same_state(model.state_dict(), exported)
+
+
+def test_eval_of_a_sharded_checkpoint_in_one_process_reports_the_training_runs_metrics(fsdp_run, tmp_path):
+    """mode=eval reads fsdp's sharded checkpoint whole: one process without a process group reports
+    the metrics that 2 fsdp ranks validated at the same step."""
+    data = [arg for arg in TINY if arg.startswith("data")]
+    check(launch(["mode=eval", "strategy=single", *data, f"resume={step_dir(fsdp_run, 16)}"], tmp_path))
+    (run_dir,) = run_dirs(tmp_path)
+    evaluated, training = json.loads((run_dir / "eval.json").read_text()), load_results(fsdp_run)
+    assert (evaluated["world_size"], evaluated["step"], evaluated["val_samples"]) == (1, 16, 37)
+    assert evaluated["val_accuracy"] == training["val_accuracy"]
+    assert evaluated["val_loss"] == pytest.approx(training["val_loss"], rel=1e-6)  # float32 sums over other batch groupings
+
+
+# Accumulation and clipping: 2 ranks x 2 micro-batches of 4 under fsdp, against one process at the
+# global batch of 16. GroupNorm, so micro-batching doesn't change the forward; a clip norm below the
+# gradients' (train/grad_norm shows it), so every update is clipped.
+ACCUMULATED = [*TINY, "model.norm=group", "trainer.max_epochs=1", "trainer.gradient_clip_norm=0.05"]
+
+
+def test_accumulation_and_clipping_under_fsdp_train_as_one_process(tmp_path):
+    runs = {"fsdp": tmp_path / "fsdp", "single": tmp_path / "single"}
+    for cwd in runs.values():
+        cwd.mkdir()
+    check(launch(["strategy=fsdp", *ACCUMULATED, "data.batch_size=4", "trainer.accumulate_grad_batches=2"], runs["fsdp"], nproc=2))
+    check(launch(["strategy=single", *ACCUMULATED, "data.batch_size=16"], runs["single"]))
+    fsdp = full_state(step_dir(runs["fsdp"], 8), tmp_path)["model"]
+    single = load_last(runs["single"])["model"]
+    assert fsdp.keys() == single.keys()
+    for key in single:
+        torch.testing.assert_close(fsdp[key], single[key], msg=lambda m, key=key: f"{key}: {m}")
+    norms = {}
+    for name, cwd in runs.items():
+        accumulator = EventAccumulator(str(run_dirs(cwd)[0]))
+        accumulator.Reload()
+        norms[name] = [(event.step, event.value) for event in accumulator.Scalars("train/grad_norm")]
+    assert [step for step, _ in norms["fsdp"]] == [2, 4, 6, 8] and all(norm > 0.05 for _, norm in norms["fsdp"])
+    assert [norm for _, norm in norms["fsdp"]] == pytest.approx([norm for _, norm in norms["single"]], rel=1e-4)
