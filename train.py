@@ -18,8 +18,7 @@ from hydra.core.hydra_config import HydraConfig
 from omegaconf import DictConfig, OmegaConf
 from torch.distributed.elastic.multiprocessing.errors import record
 
-from data import build_datasets
-from data.vision import report_skipped_samples
+from data import build_datasets, report_skipped_samples
 from ddp.best import BestTracker, check_best_settings, objective_key
 from ddp.checkpointer import Checkpointer
 from ddp.config import register_configs

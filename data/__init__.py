@@ -3,12 +3,17 @@ against its own signature (ddp.builder_options); add one with a module here and 
 conf/data/<name>.yaml. A dataset whose samples can't go through torch's default_collate (images of
 different sizes) names its own in a `collate_fn` attribute, which the loaders use (ddp/loaders.py)."""
 
+import logging
 from dataclasses import dataclass
 
+import torch
 from torch.utils.data import Dataset
 
 from ddp.builder_options import builder_options, instantiate_checked
 from ddp.config import ConfigError
+from ddp.process_group import all_reduce_sum
+
+log = logging.getLogger(__name__)
 
 
 @dataclass
@@ -28,3 +33,20 @@ def build_datasets(data_cfg) -> DataSplits:
         if len(getattr(splits, name)) == 0:
             raise ConfigError(f"data: the {name} split is empty; check the data.* sizes (e.g. data.num_samples, data.val_fraction)")
     return splits
+
+
+def report_skipped_samples(splits: DataSplits, device: torch.device) -> int | None:
+    """How many distinct files of the train and val splits data.on_bad_sample=skip replaced in this run,
+    on any rank (one all_reduce), with a warning naming them; None for datasets that skip nothing.
+    (data/vision.py's CheckedImageFolder marks them in `skipped`; no import of it here, which would
+    import torchvision in every run.)"""
+    folders = [dataset for dataset in (splits.train, splits.val) if getattr(dataset, "on_bad_sample", None) == "skip"]
+    if not folders:
+        return None
+    skipped = all_reduce_sum(torch.cat([folder.skipped for folder in folders]).to(device, torch.int32))
+    paths = [folder.samples[index][0] for folder, flags in zip(folders, skipped.split([len(f) for f in folders]))
+             for index in flags.nonzero().flatten().tolist()]
+    if paths:
+        log.warning("data.on_bad_sample=skip: replaced %d unreadable image(s) by the next one of their split: %s%s",
+                    len(paths), ", ".join(paths[:10]), " ..." if len(paths) > 10 else "")
+    return len(paths)

@@ -11,7 +11,6 @@ from torchvision import datasets
 from data import DataSplits
 from data.presets import cifar10_transforms, imagefolder_transforms
 from ddp.config import ConfigError
-from ddp.process_group import all_reduce_sum
 
 log = logging.getLogger(__name__)
 
@@ -53,22 +52,6 @@ class CheckedImageFolder(datasets.ImageFolder):
                 continue
             return (self.transform(image) if self.transform is not None else image), target
         raise BadSample(f"{self.root}: no readable image in the {self.split} split (data.on_bad_sample=skip)")
-
-
-def report_skipped_samples(splits: DataSplits, device: torch.device) -> int | None:
-    """How many distinct files of the train and val splits data.on_bad_sample=skip replaced in this run,
-    on any rank (one all_reduce), with a warning naming them; None for datasets that skip nothing."""
-    folders = [dataset for dataset in (splits.train, splits.val)
-               if isinstance(dataset, CheckedImageFolder) and dataset.on_bad_sample == "skip"]
-    if not folders:
-        return None
-    skipped = all_reduce_sum(torch.cat([folder.skipped for folder in folders]).to(device, torch.int32))
-    paths = [folder.samples[index][0] for folder, flags in zip(folders, skipped.split([len(f) for f in folders]))
-             for index in flags.nonzero().flatten().tolist()]
-    if paths:
-        log.warning("data.on_bad_sample=skip: replaced %d unreadable image(s) by the next one of their split: %s%s",
-                    len(paths), ", ".join(paths[:10]), " ..." if len(paths) > 10 else "")
-    return len(paths)
 
 
 def build_imagefolder(root: str, image_size: int, augment: str, random_erase: float, interpolation: str,

@@ -139,7 +139,7 @@ class TrainerConfig:
     global_batch_size: int | None = None
     gradient_clip_norm: float | None = None  # null: off; else clip the global grad norm to this
     label_smoothing: float = 0.0  # of the training loss (F.cross_entropy's); validation reports the plain loss
-    log_every_n_steps: int = 10  # at most MAX_LOG_EVERY_N_STEPS: DDP ranks also agree on SIGTERM then
+    log_every_n_steps: int = 10  # at most 100 (ddp.config_checks.MAX_LOG_EVERY_N_STEPS): DDP ranks also agree on SIGTERM then
     # After SIGTERM, Ctrl-C or submitit's requeue signal, a rank that reaches no check step within this
     # exits without a checkpoint (a requeue signal still requeues). torchrun force-kills 30 s after its
     # SIGTERM: leave time to save once.

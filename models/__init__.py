@@ -6,11 +6,11 @@ weights into it (models/weights.py), into its backbone only with model.weights_s
 from torch import nn
 
 from ddp.builder_options import builder_options, instantiate_checked
-from models.segmentation import load_weights_scoped
 
 
 def build_model(model_cfg, num_classes: int, in_channels: int) -> nn.Module:
     model = instantiate_checked(builder_options(model_cfg, "model"), "model", num_classes=num_classes, in_channels=in_channels)
     if model_cfg.get("weights_path") is not None:
+        from models.segmentation import load_weights_scoped  # imports torchvision: only where weights are loaded
         load_weights_scoped(model, model_cfg["weights_path"], num_classes, model_cfg.get("weights_scope", "model"))
     return model

@@ -466,14 +466,16 @@ def test_sigterm_to_torchrun_saves_a_checkpoint_and_the_run_resumes(tmp_path):
     """Preemption: SIGTERM to torchrun reaches the workers, which finish the step, save and stop;
     a relaunch with resume=auto in the same run dir carries on from that step. With 2 DataLoader
     workers per rank, which must not die of the signal first.
-    (--shutdown-timeout=10 only bounds the wait where a rank doesn't exit; the default is 30 s.)"""
+    On a loaded machine the first step can come late after the signal: the ranks may wait up to 45 s for
+    it (trainer.stop_deadline_s), and torchrun 55 s for them (--shutdown-timeout, 30 s by default), which
+    bound only a failure's wait."""
     num_workers = 2
     pinned = "hydra.run.dir=outputs/run"
     long_run = ["strategy=ddp", *DATA, f"data.num_workers={num_workers}", "trainer.max_epochs=100000",
-                "checkpoint.every_n_steps=100000", pinned]
+                "checkpoint.every_n_steps=100000", "trainer.stop_deadline_s=45", pinned]
     run_dir = tmp_path / "outputs" / "run"
     log_file = run_dir / "train_rank0.log"
-    command = [str(TORCHRUN), "--nproc_per_node=2", "--shutdown-timeout=10", str(TRAIN), *long_run]
+    command = [str(TORCHRUN), "--nproc_per_node=2", "--shutdown-timeout=55", str(TRAIN), *long_run]
     with open(tmp_path / "stdout.txt", "w") as stdout, open(tmp_path / "stderr.txt", "w") as stderr:
         process = subprocess.Popen(command, cwd=tmp_path, env=_clean_env(), stdout=stdout, stderr=stderr,
                                    start_new_session=True)

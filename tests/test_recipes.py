@@ -4,7 +4,6 @@ EMA, channels_last and compile, composed with DDP, exact resume and the no-host-
 import json
 import re
 import subprocess
-import sys
 
 import pytest
 import torch

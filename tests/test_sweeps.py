@@ -12,7 +12,8 @@ from tensorboard.backend.event_processing.event_accumulator import EventAccumula
 from tensorboard.backend.event_processing.event_multiplexer import EventMultiplexer
 from tensorboard.plugins.hparams import plugin_data_pb2
 
-from conftest import check, job_dir, job_numbers, launch, run_dirs
+from conftest import check, job_numbers, launch, run_dirs
+from conftest import job_dir as job_dir_in
 
 # One epoch of a narrow small_cnn on 128 tiny synthetic images: each job costs process start-up only.
 SMALL = [
@@ -44,7 +45,7 @@ def the_sweep_dir(cwd: Path) -> Path:
 
 
 def job_dirs(sweep_dir: Path) -> list[Path]:
-    return [job_dir(sweep_dir, job) for job in job_numbers(sweep_dir)]
+    return [job_dir_in(sweep_dir, job) for job in job_numbers(sweep_dir)]
 
 
 def summary_rows(sweep_dir: Path) -> list[dict]:
@@ -196,7 +197,7 @@ def test_torchrun_sweep_stops_fast_when_a_job_fails_on_one_rank(tmp_path):
     assert "RuntimeError: injected fault: fault.raise_rank=1 at step 2" in text
     assert "Root Cause" in result.stderr
     sweep_dir = the_sweep_dir(tmp_path)
-    assert (job_dir(sweep_dir, 0) / "results.json").is_file()  # the job before the failure finished
+    assert (job_dir_in(sweep_dir, 0) / "results.json").is_file()  # the job before the failure finished
     assert 2 not in job_numbers(sweep_dir)  # the sweep stopped at the failing job
     finished, failed = summary_rows(sweep_dir)  # the failing job is in the summary too
     assert (finished["job"], finished["status"]) == ("0", "ok")
@@ -218,8 +219,8 @@ def test_plain_sweep_runs_the_other_jobs_and_reports_the_failed_one(tmp_path):
     assert failed["val_accuracy"] == "" and failed["best"] == "False"
     assert ok["job"] == "1" and "data.batch_size=16" in ok["overrides"].split()
     assert ok["status"] == "ok" and ok["best"] == "True"
-    assert float(ok["val_accuracy"]) == results_of(job_dir(sweep_dir, 1))["val_accuracy"]
-    assert not (job_dir(sweep_dir, 0) / "results.json").exists()
+    assert float(ok["val_accuracy"]) == results_of(job_dir_in(sweep_dir, 1))["val_accuracy"]
+    assert not (job_dir_in(sweep_dir, 0) / "results.json").exists()
     assert "sweep summary (" in result.stdout  # printed although Hydra ends the sweep with an error
 
 

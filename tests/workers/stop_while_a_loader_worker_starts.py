@@ -3,7 +3,6 @@
 while its second loader worker is still starting: that worker takes 3 s longer to unpickle its
 dataset, which comes before its queues. Prints whether it was still starting when the stop came."""
 
-import os
 import signal
 import sys
 import time
