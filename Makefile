@@ -13,7 +13,7 @@ SMOKE_SEG := task=segmentation data=shapes model=small_segnet data.num_samples=3
 export TORCH_DISABLE_SHARE_RDZV_TCP_STORE := 1
 
 .DEFAULT_GOAL := help
-.PHONY: help install train test smoke-test gpu-check sweep bench tensorboard slurm-up slurm-down
+.PHONY: help install train test smoke-test gpu-check sweep bench tensorboard export slurm-up slurm-down
 
 help: ## List the targets
 	@grep -E '^[a-z-]+:.*## ' $(MAKEFILE_LIST) | awk -F':.*## ' '{printf "  make %-12s %s\n", $$1, $$2}'
@@ -46,6 +46,9 @@ sweep: install ## A batch-size sweep on CPU: 3 jobs of self-launched DDP on 2 pr
 
 bench: install ## train.py against a plain hand-written DDP loop, side by side: table, ratios and plot in benchmarks/results/ (BENCH_QUICK=1: a tiny version)
 	$(PY) benchmarks/bench.py
+
+export: install ## A sharded (strategy=fsdp) checkpoint as one plain state_dict: make export CKPT=<run dir>/checkpoints/step-N writes <dir>/model.pt
+	$(PY) -m ddp.export $(CKPT)
 
 tensorboard: install ## Serve outputs/ on http://127.0.0.1:6006
 	$(VENV)/bin/tensorboard --logdir outputs --host 127.0.0.1 --port 6006

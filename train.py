@@ -22,10 +22,11 @@ from data import build_datasets, report_skipped_samples
 from ddp.best import BestTracker, check_best_settings, objective_key
 from ddp.checkpointer import Checkpointer
 from ddp.config import register_configs
-from ddp.config_checks import check_model_accepts, validate
+from ddp.config_checks import MULTI_PROCESS, check_model_accepts, validate
 from ddp.env import DistEnv, restrict_visible_gpus, select_device, use_deterministic_cudnn
 from ddp.evaluation import Validator, evaluate_checkpoint
 from ddp.failures import end_failed_job
+from ddp.fsdp import check_blocks
 from ddp.faults import SampleRecorder, slow_down
 from ddp.launch import launch_workers
 from ddp.loader_workers import start_worker_server
@@ -36,7 +37,7 @@ from ddp.optimizer import build_optimizer, build_scheduler, check_optimizer, che
 from ddp.preemption import resume_command
 from ddp.process_group import all_reduce_sum, process_group, replicas_identical, resolve_backend
 from ddp.rank_zero import quiet_console_on_other_ranks
-from ddp.resume import Position, check_update_state_fits, find_resume_checkpoint, load_model_state, resume_training
+from ddp.resume import Position, check_update_state_fits, find_resume_checkpoint, load_resumed_weights, resume_training
 from ddp.results import log_hparams, log_results, log_setup, training_results, write_results
 from ddp.run_dir import register_resolvers
 from ddp.syncbn import warn_if_syncbn_without_ddp
@@ -54,7 +55,7 @@ def run(cfg: DictConfig, run_dir: Path, relaunch: str) -> dict:
     env = DistEnv.from_environ()
     validate(cfg, launched=env.launched, world_size=env.world_size)
     restrict_visible_gpus(cfg.devices)  # before the first CUDA call below
-    distributed = cfg.strategy.name == "ddp"
+    distributed = cfg.strategy.name in MULTI_PROCESS
     backend = resolve_backend(cfg.backend, torch.cuda.is_available())
     device = select_device(env, backend if distributed else None, torch.cuda.device_count())
     gpus = process_gpus(cfg.strategy.name, device)
@@ -74,6 +75,7 @@ def run(cfg: DictConfig, run_dir: Path, relaunch: str) -> dict:
     check_schedule(cfg.scheduler, length.total_updates, length.updates_per_epoch)
     model = build_model(cfg.model, splits.num_classes, splits.in_channels)
     check_model_accepts(model, splits.val[0][0])
+    check_blocks(model, cfg.strategy)
     check_optimizer(cfg.optim)  # the real optimizer needs the wrapped model
     start_worker_server(splits.train, cfg.data.num_workers)  # for DataLoader workers, while the rank sets up (ddp/loader_workers.py)
 
@@ -82,7 +84,7 @@ def run(cfg: DictConfig, run_dir: Path, relaunch: str) -> dict:
     restarted = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")) > 0 or env.launcher == "submitit"
     resumed = find_resume_checkpoint(cfg.resume, run_dir, restarted)
     if resumed:
-        load_model_state(model, resumed[1]["model"], resumed[0])
+        load_resumed_weights(model, resumed, cfg.strategy.name)
         check_update_state_fits(resumed[1], resumed[0], cfg)
     check_best_settings(cfg.checkpoint, cfg.trainer, cfg.task, run_epochs=length.epochs, task=task, model=model,
                         val_sample=splits.val[0], resumed=resumed)
@@ -132,7 +134,7 @@ def fit(cfg: DictConfig, env: DistEnv, device: torch.device, gpus: list[int], me
         checkpointer.save_if_unsaved(position)  # save and summarise (rank 0)
         log_hparams(monitor.writer, cfg, length, lr, env.world_size, metrics, position.global_step)
     results = training_results(cfg, metrics, best.results(), position, length, lr, env.world_size, len(splits.train),
-                               monitor.performance(wall_s), replicas_identical(raw_model, include_buffers=True),
+                               monitor.performance(wall_s, update.state_bytes()), replicas_identical(raw_model, include_buffers=True),
                                report_skipped_samples(splits, device))
     write_results(results, run_dir, env)
     return results
@@ -230,7 +232,7 @@ def main(cfg: DictConfig) -> float:
     env = DistEnv.from_environ()
     relaunch = resume_command(sys.argv[0], list(hydra_cfg.overrides.task), env.local_world_size if env.launched else None, run_dir)
     try:
-        if cfg.strategy.name == "ddp" and not env.launched and cfg.strategy.nproc_per_node > 0:
+        if cfg.strategy.name in MULTI_PROCESS and not env.launched and cfg.strategy.nproc_per_node > 0:
             nproc = cfg.strategy.nproc_per_node
             validate(cfg, launched=True, world_size=nproc)  # fail here, not in N workers
             results = launch_workers(run, cfg, run_dir, relaunch, hydra_cfg.job.name, nproc, cfg.strategy.max_restarts)

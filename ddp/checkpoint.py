@@ -1,4 +1,5 @@
-"""Checkpoints: written atomically by rank 0, found newest-first, loaded without running pickled code."""
+"""Checkpoints: written atomically by rank 0, found newest-first, loaded without running pickled code.
+strategy=fsdp's are dirs of shards (ddp/sharded_checkpoint.py); their state.pt is written and read here."""
 
 import logging
 import os
@@ -14,6 +15,8 @@ log = logging.getLogger(__name__)
 
 LAST = "last.pt"
 BEST = "best.pt"
+SHARDED_STATE = "state.pt"  # a sharded checkpoint's rank-0 part: all but the model's and the optimizer's tensors
+SHARDED_INDEX = ".metadata"  # DCP's index, written last by its coordinator
 
 
 class CheckpointError(Exception):
@@ -46,7 +49,7 @@ def save_checkpoint(state: dict[str, Any], path: Path) -> None:
             free_mb = shutil.disk_usage(path.parent).free / 2**20
             raise RuntimeError(f"saving {path} failed, the previous checkpoint is intact ({free_mb:.0f} MB free): {error}") from error
         raise
-    _fsync_dir(path.parent)
+    fsync_dir(path.parent)
 
 
 def save_step_checkpoint(state: dict[str, Any], run_dir: Path, step: int, keep_last: int) -> Path:
@@ -55,7 +58,7 @@ def save_step_checkpoint(state: dict[str, Any], run_dir: Path, step: int, keep_l
     path = directory / f"step-{step:08d}.pt"
     save_checkpoint(state, path)
     _link(path, directory / LAST)
-    _fsync_dir(directory)
+    fsync_dir(directory)
     for old in sorted(directory.glob("step-*.pt"))[:-keep_last]:
         old.unlink()
     return path
@@ -64,33 +67,52 @@ def save_step_checkpoint(state: dict[str, Any], run_dir: Path, step: int, keep_l
 def keep_best_checkpoints(run_dir: Path, kept_steps: list[int], saved: tuple[int, Path] | None = None) -> None:
     """Keep `saved` (the step and path of the checkpoint just saved) as `best-<step>.pt` if its step is
     among `kept_steps` (best first), delete every other `best-*.pt`, and point `best.pt` at the best.
-    The best files are other names of step files (hard links): keep_last's pruning of step-*.pt leaves them."""
+    The best files are other names of step files (hard links): keep_last's pruning of step-*.pt leaves them.
+    A sharded checkpoint (a dir) is kept the same way, as `best-<step>/` and `best/` of hard-linked files."""
     directory = checkpoint_dir(run_dir)
     if not directory.is_dir():  # a run resumed from another dir's checkpoint file has saved nothing here yet
         return
     if saved is not None and saved[0] in kept_steps:
-        _link(saved[1], directory / f"best-{saved[0]:08d}.pt")
-    kept = {f"best-{kept:08d}.pt" for kept in kept_steps}
-    for old in directory.glob("best-*.pt"):
-        if old.name not in kept:
-            old.unlink()
-    if kept_steps and (directory / f"best-{kept_steps[0]:08d}.pt").is_file():
-        _link(directory / f"best-{kept_steps[0]:08d}.pt", directory / BEST)
-    _fsync_dir(directory)
+        _link(saved[1], directory / f"best-{saved[0]:08d}{saved[1].suffix}")
+    kept = {f"best-{kept:08d}" for kept in kept_steps}
+    for old in directory.glob("best-*"):
+        if old.name.removesuffix(".pt") not in kept:
+            _remove(old)
+    best = [directory / f"best-{kept_steps[0]:08d}{suffix}" for suffix in (".pt", "")] if kept_steps else []
+    for path in best:
+        if path.exists():
+            _link(path, directory / (BEST if path.suffix else BEST.removesuffix(".pt")))
+    fsync_dir(directory)
 
 
 def _link(path: Path, name: Path) -> None:
-    """`name` becomes another name of `path`, atomically (a copy where hard links fail)."""
+    """`name` becomes another name of `path`, atomically (a copy where hard links fail); for a dir, a
+    dir of other names of its files."""
     tmp = name.with_name(f".{name.name}.link.tmp")
-    tmp.unlink(missing_ok=True)
-    try:
-        os.link(path, tmp)  # same bytes, no second write
-    except OSError:
-        shutil.copyfile(path, tmp)
+    _remove(tmp)
+    if path.is_dir():
+        shutil.copytree(path, tmp, copy_function=_link_file)
+        _remove(name)  # a rename doesn't replace a dir that has files
+    else:
+        _link_file(path, tmp)
     os.replace(tmp, name)
 
 
-def _fsync_dir(directory: Path) -> None:
+def _link_file(path, name) -> None:
+    try:
+        os.link(path, name)  # same bytes, no second write
+    except OSError:
+        shutil.copyfile(path, name)
+
+
+def _remove(path: Path) -> None:
+    if path.is_dir():
+        shutil.rmtree(path)
+    else:
+        path.unlink(missing_ok=True)
+
+
+def fsync_dir(directory: Path) -> None:
     fd = os.open(directory, os.O_RDONLY)
     try:
         os.fsync(fd)  # make the rename itself durable
@@ -99,7 +121,12 @@ def _fsync_dir(directory: Path) -> None:
 
 
 def load_checkpoint(path: Path) -> dict[str, Any]:
-    """weights_only=True: tensors and plain containers only. A pickled object is refused, never run."""
+    """weights_only=True: tensors and plain containers only. A pickled object is refused, never run.
+    A sharded checkpoint's (a dir's) is its state.pt: the shards load once the model is sharded."""
+    if path.is_dir() and (path / SHARDED_STATE).is_file():
+        if not is_sharded_checkpoint(path):
+            raise CheckpointError(f"{path}: incomplete sharded checkpoint (no {SHARDED_INDEX})")
+        return load_checkpoint(path / SHARDED_STATE)
     if not path.is_file():
         raise CheckpointError(f"{path}: not found")
     try:
@@ -111,12 +138,18 @@ def load_checkpoint(path: Path) -> dict[str, Any]:
         raise CheckpointError(f"{path}: unreadable ({str(error).strip().splitlines()[0]})") from None
 
 
+def is_sharded_checkpoint(path: Path) -> bool:
+    """A published sharded checkpoint (strategy=fsdp's dir): DCP's index and rank 0's state are both there."""
+    return (path / SHARDED_INDEX).is_file() and (path / SHARDED_STATE).is_file()
+
+
 def load_latest_checkpoint(run_dir: Path) -> tuple[Path, dict[str, Any]] | None:
-    """The newest checkpoint of `run_dir` that loads; bad ones are logged and skipped."""
+    """The newest checkpoint of `run_dir` that loads (a file, or strategy=fsdp's dir); bad ones are logged and skipped."""
     directory = checkpoint_dir(run_dir)
-    candidates = [directory / LAST, *sorted(directory.glob("step-*.pt"), reverse=True)]
+    steps = sorted(directory.glob("step-*"), key=lambda path: path.name.removesuffix(".pt"), reverse=True)
+    candidates = [directory / LAST, *steps]
     for path in candidates:
-        if not path.is_file():
+        if not path.exists():
             continue
         try:
             return path, load_checkpoint(path)

@@ -9,12 +9,16 @@ from torch import nn
 from ddp.best import BestTracker
 from ddp.checkpoint import keep_best_checkpoints, save_step_checkpoint
 from ddp.env import DistEnv
+from ddp.fsdp import is_sharded
+from ddp.process_group import broadcast_buffers_from_rank_zero
 from ddp.resume import Position, capture_rank_state, checkpoint_state, gather_rank_states, restore_rank_state
+from ddp.sharded_checkpoint import save_sharded_checkpoint
 
 
 class Checkpointer:
     """Saves the run at an update boundary: every rank contributes its RNG and loader state, rank 0
-    writes (atomically, ddp/checkpoint.py), and nobody runs ahead before the file exists. Never saves
+    writes (atomically, ddp/checkpoint.py; under fsdp every rank writes its shards and rank 0 publishes
+    the dir, ddp/sharded_checkpoint.py), and nobody runs ahead before the checkpoint exists. Never saves
     non-finite weights. Remembers the step it saved last, so the end of the run saves only if needed.
     Every checkpoint holds `best`'s record; a save at a step whose validation entered the kept best
     ones is kept as best-<step>.pt too (checkpoint.keep_best)."""
@@ -46,16 +50,24 @@ class Checkpointer:
         """A collective: every rank calls it at the same step."""
         self.update.check_finite(position.global_step, self.raw_model)
         rank_states = gather_rank_states(capture_rank_state(self.loader_generator, position.epoch_totals, self.cuda_devices))
-        if self.env.is_main:
-            state = checkpoint_state(self.raw_model, self.optimizer, self.update.state_dict(), position,
-                                     self.samples_per_batch, self.train_size, rank_states, self.config)
-            state["best"] = self.best.state_dict()
-            path = save_step_checkpoint(state, self.run_dir, position.global_step, self.keep_last)
-            if self.best.save_step == position.global_step:
-                keep_best_checkpoints(self.run_dir, self.best.kept_steps(), saved=(position.global_step, path))
+        if is_sharded(self.raw_model):
+            # DCP writes one rank's copy of each unsharded tensor: make it rank 0's BatchNorm statistics, as a file holds
+            broadcast_buffers_from_rank_zero(self.raw_model)
+            state = self.state(position, rank_states, sharded=True) if self.env.is_main else {}
+            path = save_sharded_checkpoint(self.raw_model, self.optimizer, state, self.run_dir, position.global_step, self.keep_last)
+        elif self.env.is_main:
+            path = save_step_checkpoint(self.state(position, rank_states), self.run_dir, position.global_step, self.keep_last)
+        if self.env.is_main and self.best.save_step == position.global_step:
+            keep_best_checkpoints(self.run_dir, self.best.kept_steps(), saved=(position.global_step, path))
         if dist.is_initialized():
             dist.barrier()  # nobody runs ahead (or exits) before the checkpoint exists
         self.saved_step = position.global_step
+
+    def state(self, position: Position, rank_states: list[dict], sharded: bool = False) -> dict:
+        """What rank 0 saves; a sharded checkpoint's model and optimizer states are in its shards."""
+        state = checkpoint_state(None if sharded else self.raw_model, self.optimizer, self.update.state_dict(), position,
+                                 self.samples_per_batch, self.train_size, rank_states, self.config)
+        return state | {"best": self.best.state_dict()}
 
     def restore_rank_state(self, rank_state: dict) -> None:
         """This rank's RNG and loader state as a checkpoint saved it (resume_position's rank_state)."""

@@ -20,12 +20,25 @@ class ConfigError(ValueError):
 
 @dataclass
 class StrategyConfig:
-    name: str = MISSING  # single | dp | ddp, set by the strategy/<name>.yaml option
+    name: str = MISSING  # single | dp | ddp | fsdp, set by the strategy/<name>.yaml option
     timeout_s: float = 1800.0  # process-group timeout; a rank stuck in a collective fails after this
     bucket_cap_mb: float = 25.0  # DDP gradient bucket size
     find_unused_parameters: bool = False  # only needed for models with conditional branches
     nproc_per_node: int = 0  # ddp without torchrun: start this many local workers (0: launch with torchrun)
     max_restarts: int = 0  # self-launched workers: restarts of the whole group after a failure, as torchrun's
+
+
+@dataclass
+class FSDPStrategyConfig(StrategyConfig):
+    """strategy=fsdp (ddp/fsdp.py): parameters, gradients and optimizer state sharded across the ranks."""
+
+    # true: free each block's gathered parameters after its forward and gather them again for the
+    # backward (ZeRO-3: least memory, one more all-gather per block); false: keep them until the
+    # backward (ZeRO-2-like: more memory, less communication)
+    reshard_after_forward: bool = True
+    # null: the model's own (its fsdp_block_types) or the known families' (ddp/fsdp.py); else class
+    # names, e.g. [Bottleneck]: each module of these classes is sharded as one unit, then the root
+    block_types: list[str] | None = None
 
 
 @dataclass
@@ -183,7 +196,7 @@ class TrainConfig:
     # The GPUs this run may use, e.g. [0, 2] (seen as cuda:0 and cuda:1); null: all that CUDA_VISIBLE_DEVICES leaves
     devices: list[int] | None = None
     backend: str = "auto"  # auto | nccl | gloo; auto is nccl when CUDA is available, else gloo
-    syncbn: bool = False  # synchronize BatchNorm statistics across ranks (strategy=ddp)
+    syncbn: bool = False  # synchronize BatchNorm statistics across ranks (strategy=ddp or fsdp)
     deterministic: bool = False  # cuDNN picks deterministic algorithms only (exact resume on GPUs; slower)
     precision: str = "32"  # 32 | bf16 | 16 (fp16, with a GradScaler): autocast on the run's device
     channels_last: bool = False  # model and every input batch in channels_last memory format
@@ -195,7 +208,7 @@ class TrainConfig:
 # The schemas of the groups whose options are fixed here. A model's, dataset's or task's own options
 # have no entry: their schema is their builder's signature (builder_options).
 SCHEMAS = {
-    "strategy": {"single": StrategyConfig, "dp": StrategyConfig, "ddp": StrategyConfig},
+    "strategy": {"single": StrategyConfig, "dp": StrategyConfig, "ddp": StrategyConfig, "fsdp": FSDPStrategyConfig},
     "optim": {"sgd": SGDConfig, "adam": AdamConfig, "adamw": AdamConfig},
     "scheduler": {"none": SchedulerConfig, "cosine": CosineSchedulerConfig, "step": StepSchedulerConfig},
 }

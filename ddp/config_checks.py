@@ -28,7 +28,8 @@ def check_model_accepts(model: torch.nn.Module, sample: torch.Tensor) -> None:
         model.train(was_training)
 
 
-STRATEGIES = ("single", "dp", "ddp")
+STRATEGIES = ("single", "dp", "ddp", "fsdp")
+MULTI_PROCESS = ("ddp", "fsdp")  # one process per device, in a process group
 MODES = ("train", "eval")
 SPLITS = ("val", "test")
 PRECISIONS = ("32", "bf16", "16")
@@ -163,11 +164,11 @@ def validate(cfg: Any, *, launched: bool, world_size: int) -> None:
                f"scheduler.milestones={milestones}: must be increasing epochs >= 1")
     _check(cfg.strategy.nproc_per_node >= 0, f"strategy.nproc_per_node={cfg.strategy.nproc_per_node}: must be >= 0")
     _check(cfg.strategy.max_restarts >= 0, f"strategy.max_restarts={cfg.strategy.max_restarts}: must be >= 0")
-    if strategy == "ddp":
+    if strategy in MULTI_PROCESS:
         _check(
             launched or cfg.strategy.nproc_per_node >= 1,
-            "strategy=ddp needs one process per device: launch it with "
-            "`torchrun --nproc_per_node=N train.py strategy=ddp ...`, or add strategy.nproc_per_node=N",
+            f"strategy={strategy} needs one process per device: launch it with "
+            f"`torchrun --nproc_per_node=N train.py strategy={strategy} ...`, or add strategy.nproc_per_node=N",
         )
     else:
         _check(
@@ -175,8 +176,22 @@ def validate(cfg: Any, *, launched: bool, world_size: int) -> None:
             f"strategy={strategy} runs one process, but {world_size} were started: "
             "use strategy=ddp, or torchrun --nproc_per_node=1",
         )
+    if strategy == "fsdp":
+        _check_fsdp_settings(cfg)
     if cfg.data.get("download", False):
         _check(world_size == 1, "data.download=true: download with one process first, then launch torchrun with data.download=false")
     root = cfg.data.get("root")
     if root is not None and not cfg.data.get("download", False):
         _check(Path(root).is_dir(), f"data.root={root}: no such directory; point data.root at the dataset's folder")
+
+
+def _check_fsdp_settings(cfg: Any) -> None:
+    """What strategy=fsdp doesn't do yet (docs/fsdp.md), refused before anything starts."""
+    _check(cfg.ema.decay is None, f"ema.decay={cfg.ema.decay}: the EMA keeps a full copy of the model, which "
+                                  "strategy=fsdp doesn't shard yet; use strategy=ddp, or ema.decay=null")
+    _check(not cfg.compile, "compile=true: strategy=fsdp doesn't compile its sharded blocks yet; use compile=false, or strategy=ddp")
+    _check(cfg.precision == "32", f"precision={cfg.precision}: strategy=fsdp trains in float32 only for now "
+                                  "(no MixedPrecisionPolicy yet); use precision=32, or strategy=ddp")
+    _check(cfg.task.get("num_images_logged", 0) == 0,
+           f"task.num_images_logged={cfg.task.get('num_images_logged')}: the image grid runs the model on rank 0 "
+           "alone, and a sharded model's forward needs every rank; use task.num_images_logged=0 with strategy=fsdp")

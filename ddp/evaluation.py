@@ -11,15 +11,18 @@ from omegaconf import DictConfig
 from torch import nn
 from torch.distributed.elastic.multiprocessing.errors import record
 
+from ddp.checkpoint import CheckpointError
 from ddp.config import ConfigError
-from ddp.config_checks import check_model_accepts
+from ddp.config_checks import MULTI_PROCESS, check_model_accepts
 from ddp.ema import build_ema
 from ddp.env import DistEnv
+from ddp.fsdp import is_sharded
 from ddp.loader_workers import start_worker_server
 from ddp.loaders import build_val_loader
-from ddp.process_group import all_reduce_sum, broadcast_buffers_from_rank_zero, process_group
+from ddp.process_group import all_reduce_max, all_reduce_sum, broadcast_buffers_from_rank_zero, process_group
 from ddp.rank_zero import write_json
 from ddp.resume import find_resume_checkpoint, load_model_state
+from ddp.sharded_checkpoint import full_model_state
 from ddp.wrap import wrap_model
 
 log = logging.getLogger("train")  # the run's own console lines, under the script's name
@@ -29,16 +32,24 @@ log = logging.getLogger("train")  # the run's own console lines, under the scrip
 def evaluate(model: nn.Module, loader, device: torch.device, limit_batches: int, task) -> dict[str, float]:
     """The task's metrics over the loader's split (all of it, across ranks), keys prefixed "val_"."""
     model.eval()
-    sums = None
+    sums, forwards = None, 0
     for batch_index, (images, targets) in enumerate(loader):
         if batch_index == limit_batches:
             break
         images, targets = images.to(device, non_blocking=True), targets.to(device, non_blocking=True)
         batch_sums = task.eval_sums(model(images), targets)
         sums = batch_sums if sums is None else sums.add_(batch_sums)
+        forwards += 1
+    if sums is None or is_sharded(model):
+        images, targets = (tensor.to(device) for tensor in loader.collate_fn([loader.dataset[0]]))
     if sums is None:  # this rank's shard is empty: zeros, as long as the other ranks' sums
-        images, targets = loader.collate_fn([loader.dataset[0]])
-        sums = torch.zeros_like(task.eval_sums(model(images.to(device)), targets.to(device)))
+        sums = torch.zeros_like(task.eval_sums(model(images), targets))
+        forwards += 1
+    if is_sharded(model):
+        # Every forward of a sharded model is a collective (FSDP gathers each block's parameters), and
+        # shards differ by a batch: a rank with fewer runs forwards that count for nothing.
+        for _ in range(int(all_reduce_max(torch.tensor(forwards, device=device))) - forwards):
+            model(images)
     return {"val_" + key: value for key, value in task.metrics(all_reduce_sum(sums)).items()}
 
 
@@ -58,12 +69,13 @@ class Validator:
                  task, *, strategy: str, syncbn: bool):
         # DDP's forward may sync buffers, and ranks can hold different numbers of val batches: evaluate
         # the bare, uncompiled model (no eval-mode graph to compile, nor a recompile for a short last
-        # batch). DataParallel has no collectives and keeps its multi-GPU eval.
+        # batch). DataParallel has no collectives and keeps its multi-GPU eval. Under FSDP the bare
+        # model is the sharded one (`evaluate` keeps its ranks in step).
         self.eval_model = model if strategy == "dp" else raw_model
         self.raw_model, self.ema, self.loader = raw_model, ema, loader
         self.device, self.limit_batches, self.task = device, limit_batches, task
         # Without SyncBN each rank's BatchNorm statistics drift apart: evaluate rank 0's, the saved ones.
-        self.sync_buffers = strategy == "ddp" and not syncbn
+        self.sync_buffers = strategy in MULTI_PROCESS and not syncbn
 
     def validate(self) -> dict[str, float]:
         if self.sync_buffers:
@@ -88,9 +100,13 @@ def evaluate_checkpoint(cfg: DictConfig, env: DistEnv, backend: str, device: tor
     if dataset is None:
         raise ConfigError(f"data.split=test: this dataset ({cfg.data._target_}) has no test split; use data.split=val")
     path, checkpoint = find_resume_checkpoint(cfg.resume, run_dir, restarted=False)
+    try:  # a sharded checkpoint (strategy=fsdp's) reads back whole, so any strategy and world size evaluates it
+        state = full_model_state(path) if checkpoint.get("sharded") else checkpoint["model"]
+    except CheckpointError as error:
+        raise ConfigError(f"resume={cfg.resume}: {error}") from None
     model = build_model({**checkpoint["config"]["model"], "weights_path": None}, splits.num_classes, splits.in_channels)
     check_model_accepts(model, dataset[0][0])
-    load_model_state(model, checkpoint["model"], path)
+    load_model_state(model, state, path)
     ema = None
     if checkpoint.get("ema") is not None:
         ema = build_ema(model, decay=0.5)  # the decay plays no part in evaluation
@@ -98,7 +114,7 @@ def evaluate_checkpoint(cfg: DictConfig, env: DistEnv, backend: str, device: tor
     start_worker_server(dataset, cfg.data.num_workers)
     log.info("evaluating %s (step %d) on the %s split (%d samples), strategy=%s world_size=%d",
              path, checkpoint["global_step"], split, len(dataset), cfg.strategy.name, env.world_size)
-    distributed = cfg.strategy.name == "ddp"
+    distributed = cfg.strategy.name in MULTI_PROCESS
     with process_group(backend, env, device, cfg.strategy.timeout_s) if distributed else contextlib.nullcontext():
         model = model.to(device)
         if ema is not None:

@@ -9,6 +9,7 @@ from datetime import timedelta
 
 import torch
 import torch.distributed as dist
+from torch.distributed.tensor import DTensor
 
 from ddp.config import ConfigError
 from ddp.env import DistEnv
@@ -81,6 +82,13 @@ def all_reduce_sum(tensor: torch.Tensor) -> torch.Tensor:
     return tensor
 
 
+def all_reduce_max(tensor: torch.Tensor) -> torch.Tensor:
+    """The largest across ranks, in place when a process group exists; a no-op for one process."""
+    if dist.is_available() and dist.is_initialized():
+        dist.all_reduce(tensor, op=dist.ReduceOp.MAX)
+    return tensor
+
+
 def broadcast_from_rank_zero(value: float, device: torch.device) -> float:
     """Rank 0's `value` on every rank (`value` itself for one process)."""
     if not (dist.is_available() and dist.is_initialized()):
@@ -117,11 +125,15 @@ def replicas_identical(module: torch.nn.Module, include_buffers: bool) -> bool:
 
     DDP keeps replicas equal only if every rank does the same math; a rank-dependent branch makes
     them drift silently. Checked once at the end of a run. Without SyncBN, compare buffers only
-    after `broadcast_buffers_from_rank_zero`: each rank updates them from its own batch.
+    after `broadcast_buffers_from_rank_zero`: each rank updates them from its own batch. FSDP's
+    sharded parameters (DTensors) exist once, not per rank: nothing to compare.
     """
     if not (dist.is_available() and dist.is_initialized()):
         return True
     tensors = module.state_dict().values() if include_buffers else module.parameters()
+    tensors = [t for t in tensors if not isinstance(t, DTensor)]
+    if not tensors:
+        return True  # the same on every rank: the same model, sharded
     # Two integers per tensor rather than the model itself: O(tensors) on the wire, and no
     # model-sized allocation on the device at the end of a run.
     digests = torch.stack([_bit_digest(t) for t in tensors])

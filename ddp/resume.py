@@ -10,10 +10,11 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from ddp.checkpoint import CheckpointError, load_checkpoint, load_latest_checkpoint
+from ddp.checkpoint import CheckpointError, is_sharded_checkpoint, load_checkpoint, load_latest_checkpoint
 from ddp.config import ConfigError
 from ddp.optimizer import resume_schedule
 from ddp.samplers import resume_point
+from ddp.sharded_checkpoint import load_sharded_state
 
 log = logging.getLogger(__name__)
 
@@ -41,14 +42,14 @@ class Position:
         return min(self.epoch_start + self.batch_in_epoch * samples_per_batch, train_size)
 
 
-def checkpoint_state(model: nn.Module, optimizer, update_state: dict[str, Any], position: Position, samples_per_batch: int,
+def checkpoint_state(model: nn.Module | None, optimizer, update_state: dict[str, Any], position: Position, samples_per_batch: int,
                      train_size: int, rank_states: list[dict[str, Any]], config: dict) -> dict[str, Any]:
     """Everything a resume needs, as plain containers and CPU tensors: it loads with weights_only=True
     on any host, GPUs or not (optimizer.load_state_dict moves the state back to the parameters' device).
-    `update_state`: the scheduler, GradScaler and EMA states (None where off)."""
+    `update_state`: the scheduler, GradScaler and EMA states (None where off). `model` None: all but the
+    model's and the optimizer's states (a sharded checkpoint holds those in its shards)."""
     return {
-        "model": to_cpu(model.state_dict()),
-        "optimizer": to_cpu(optimizer.state_dict()),
+        **({"model": to_cpu(model.state_dict()), "optimizer": to_cpu(optimizer.state_dict())} if model is not None else {}),
         **to_cpu(update_state),
         "epoch": position.epoch,
         "samples_in_epoch": position.samples_in_epoch(samples_per_batch, train_size),  # what a resume reads
@@ -101,16 +102,20 @@ def resume_position(path: Path, checkpoint: dict[str, Any], batch_size: int, wor
 def resume_training(resumed: tuple[Path, dict[str, Any]], update, base_lr: float, total_updates: int, batch_size: int,
                     world_size: int, rank: int, train_size: int) -> tuple[Position, dict[str, Any] | None]:
     """Load the optimizer, scheduler, GradScaler and EMA states of the checkpoint `resumed` (path, checkpoint)
-    into `update` (an UpdateStep), to go on at this run's base LR and length; returns `resume_position`'s."""
+    into `update` (an UpdateStep), to go on at this run's base LR and length; returns `resume_position`'s.
+    A sharded checkpoint's model and optimizer states load here, into the sharded model (update.model)."""
     path, checkpoint = resumed
-    update.optimizer.load_state_dict(checkpoint["optimizer"])
+    if checkpoint.get("sharded"):
+        load_sharded_state(path, update.model, update.optimizer, checkpoint["optimizer_param_groups"])
+    else:
+        update.optimizer.load_state_dict(checkpoint["optimizer"])
     update.load_state_dict(checkpoint)
     resume_schedule(update.optimizer, update.scheduler, base_lr, total_updates, is_main=rank == 0)
     return resume_position(path, checkpoint, batch_size, world_size, rank, train_size)
 
 
 def find_resume_checkpoint(resume: str | None, run_dir: Path, restarted: bool) -> tuple[Path, dict[str, Any]] | None:
-    """`resume`: None (fresh), `auto`, a run dir, or a checkpoint file. A restarted run (torchrun's
+    """`resume`: None (fresh), `auto`, a run dir, or a checkpoint (a file, or a sharded one's dir). A restarted run (torchrun's
     restart, a requeued SLURM job) continues from its own run dir's newest checkpoint when there is
     one, whatever `resume` says: that is where the last attempt saved."""
     if restarted and (found := load_latest_checkpoint(run_dir)) is not None:
@@ -123,7 +128,7 @@ def find_resume_checkpoint(resume: str | None, run_dir: Path, restarted: bool) -
             log.info("resume=auto: no checkpoint in %s, starting fresh", run_dir)
         return found
     path = Path(resume)
-    if path.is_dir():
+    if path.is_dir() and not is_sharded_checkpoint(path):  # a run dir; a sharded checkpoint is a dir too
         found = load_latest_checkpoint(path)
         if found is None:
             raise ConfigError(f"resume={resume}: no loadable checkpoint in {path / 'checkpoints'}")
@@ -132,6 +137,19 @@ def find_resume_checkpoint(resume: str | None, run_dir: Path, restarted: bool) -
         return path, load_checkpoint(path)
     except CheckpointError as error:
         raise ConfigError(f"resume={resume}: {error}") from None
+
+
+def load_resumed_weights(model: nn.Module, resumed: tuple[Path, dict[str, Any]], strategy: str) -> None:
+    """The checkpoint's weights into the bare `model`. strategy=fsdp resumes from sharded checkpoints
+    (dirs), whose shards load into the sharded model (resume_training); the others from checkpoint files."""
+    path, checkpoint = resumed
+    if bool(checkpoint.get("sharded")) != (strategy == "fsdp"):
+        kind = "a sharded checkpoint (strategy=fsdp's)" if checkpoint.get("sharded") else "a checkpoint file"
+        raise ConfigError(f"resume: {path} is {kind}, which strategy={strategy} doesn't resume from yet; resume it with "
+                          f"strategy={'fsdp' if checkpoint.get('sharded') else 'single, dp or ddp'}, or start from its weights "
+                          "with model.weights_path")
+    if not checkpoint.get("sharded"):
+        load_model_state(model, checkpoint["model"], path)
 
 
 def load_model_state(model: nn.Module, state_dict: dict[str, torch.Tensor], source: Path) -> None:

@@ -23,6 +23,8 @@ from hydra.experimental.callback import Callback
 from hydra.types import RunMode
 from omegaconf import DictConfig, OmegaConf
 
+from ddp.checkpoint import is_sharded_checkpoint
+from ddp.config_checks import MULTI_PROCESS
 from ddp.dir_lock import hold_lock, lock_holder
 from ddp.env import DistEnv
 from ddp.launch_agreement import CLAIMS, OUTPUTS, agreed, provably_gone, release_claims
@@ -74,9 +76,9 @@ def _claimed(key: str, parent: Path) -> str:
 
 
 def run_dir(resume: str | None, mode: str = "train") -> str:
-    """`resume=<run dir>` continues training in that dir; otherwise (and for mode=eval) a new
-    `outputs/<time>` of this launch's own."""
-    if mode == "train" and resume and Path(resume).is_dir():
+    """`resume=<run dir>` continues training in that dir; otherwise (and for mode=eval, and from a
+    checkpoint: a file, or a sharded one's dir) a new `outputs/<time>` of this launch's own."""
+    if mode == "train" and resume and Path(resume).is_dir() and not is_sharded_checkpoint(Path(resume)):
         return resume
     return _claimed("run_dir", OUTPUTS)
 
@@ -112,7 +114,7 @@ class RunDirLock(Callback):
 def _process_log_name(strategy: str, nproc_per_node: int) -> str:
     """`rank<R>` for a training process; `launcher` for one that will start DDP workers itself."""
     env = DistEnv.from_environ()
-    if not env.launched and strategy == "ddp" and nproc_per_node > 0:
+    if not env.launched and strategy in MULTI_PROCESS and nproc_per_node > 0:
         return "launcher"
     return f"rank{env.rank}"
 

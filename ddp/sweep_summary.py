@@ -14,6 +14,7 @@ from hydra.types import RunMode
 from omegaconf import DictConfig, OmegaConf
 
 from ddp.best import objective_key
+from ddp.config_checks import MULTI_PROCESS
 from ddp.env import DistEnv
 from ddp.preemption import Interrupted
 
@@ -79,7 +80,7 @@ def record_failed_job(hydra_cfg: DictConfig, cfg: DictConfig, error: BaseExcepti
 def summary_row(job_num: int, overrides, cfg: DictConfig, job_dir: Path, failure: BaseException | None) -> dict[str, Any]:
     env = DistEnv.from_environ()
     world_size = env.world_size
-    if not env.launched and cfg.strategy.name == "ddp":
+    if not env.launched and cfg.strategy.name in MULTI_PROCESS:
         world_size = cfg.strategy.nproc_per_node  # self-launched workers
     row = {
         "job": job_num,

@@ -19,7 +19,7 @@ from torch.nn.modules.batchnorm import _BatchNorm
 log = logging.getLogger(__name__)
 
 def warn_if_syncbn_without_ddp(syncbn: bool, strategy: str) -> None:
-    if syncbn and strategy != "ddp":
+    if syncbn and strategy not in ("ddp", "fsdp"):
         log.warning("syncbn=true has no effect with strategy=%s: %s", strategy, SYNCBN_WITHOUT_DDP[strategy])
 
 

@@ -7,6 +7,8 @@ import warnings
 import torch
 import torch.distributed as dist
 from torch import nn
+from torch.distributed.fsdp import FSDPModule
+from torch.distributed.tensor import DTensor
 from torch.nn.parallel import DistributedDataParallel
 from torch.optim import lr_scheduler
 
@@ -26,7 +28,8 @@ class UpdateStep:
     and the task's loss under autocast, divided by the number of micro-batches in its group (the last
     group of an epoch may be shorter), backward (through the GradScaler for fp16).
     Under DDP the forward and backward of all but the group's last micro-batch run inside
-    no_sync(), so gradients are all-reduced once per update. After the last one: unscale (fp16) ->
+    no_sync(), so gradients are all-reduced once per update; under FSDP they are reduce-scattered
+    only after the last (set_requires_gradient_sync). After the last one: unscale (fp16) ->
     clip -> optimizer step (through the scaler) -> scaler update -> zero_grad -> scheduler step ->
     EMA update.
 
@@ -56,6 +59,7 @@ class UpdateStep:
         self.lr = optimizer.param_groups[0]["lr"]  # that the last update used
         self.precision = precision
         self.checked_step = 0  # every loss up to this update was finite
+        self.gradient_bytes = 0  # this rank's, measured at the first update (state_bytes)
 
     def micro_step(self, images: torch.Tensor, targets: torch.Tensor, micro_index: int, group_size: int) -> torch.Tensor:
         """Forward and backward of one micro-batch; the update itself after the group's last. Returns the loss."""
@@ -65,6 +69,8 @@ class UpdateStep:
         images = images.contiguous(memory_format=self.memory_format)  # a transform may return another layout
         last = micro_index == group_size - 1
         accumulate_locally = not last and isinstance(self.model, DistributedDataParallel)
+        if isinstance(self.model, FSDPModule):
+            self.model.set_requires_gradient_sync(last)
         with self.model.no_sync() if accumulate_locally else contextlib.nullcontext():
             with torch.autocast(self.device.type, dtype=self.autocast_dtype, enabled=self.autocast_dtype is not None):
                 loss = self.task.loss(self.model(images), targets)
@@ -81,7 +87,7 @@ class UpdateStep:
             if self.scaler:
                 self.scaler.unscale_(self.optimizer)
             parameters = [p for group in self.optimizer.param_groups for p in group["params"]]
-            self.grad_norm = nn.utils.clip_grad_norm_(parameters, self.clip_norm)
+            self.grad_norm = _local(nn.utils.clip_grad_norm_(parameters, self.clip_norm))  # FSDP: a replicated DTensor
             if self.scaler is None:  # with fp16 an inf norm only makes the scaler skip this step
                 self.finite.mul_(torch.isfinite(self.grad_norm))
         if self.scaler:
@@ -89,6 +95,8 @@ class UpdateStep:
             self.scaler.update()
         else:
             self.optimizer.step()
+        if not self.gradient_bytes:  # once: the gradients the optimizer steps with (this rank's shards, under FSDP)
+            self.gradient_bytes = local_bytes(p.grad for group in self.optimizer.param_groups for p in group["params"] if p.grad is not None)
         self.optimizer.zero_grad(set_to_none=True)
         if self.scheduler is not None:
             self.scheduler.step()
@@ -112,6 +120,12 @@ class UpdateStep:
             )
         self.checked_step = step
 
+    def state_bytes(self) -> list[int]:
+        """This rank's bytes of parameters, gradients (as at an update) and optimizer state, from the
+        tensors it holds: under FSDP its local shards, so the figures show what sharding saves."""
+        optimizer_state = [t for state in self.optimizer.state.values() for t in state.values() if isinstance(t, torch.Tensor)]
+        return [local_bytes(self.model.parameters()), self.gradient_bytes, local_bytes(optimizer_state)]
+
     def state_dict(self) -> dict:
         """What a resume needs besides the model and optimizer."""
         return {
@@ -127,11 +141,21 @@ class UpdateStep:
                 getattr(self, name).load_state_dict(state[name])
 
 
+def _local(tensor: torch.Tensor) -> torch.Tensor:
+    """A DTensor's local part (a sharded parameter's shard; a reduced value's full value); a plain tensor as is."""
+    return tensor.to_local() if isinstance(tensor, DTensor) else tensor
+
+
+def local_bytes(tensors) -> int:
+    """The bytes of `tensors` on this rank (a DTensor's local shard only)."""
+    return sum(_local(t).numel() * t.element_size() for t in tensors)
+
+
 def _bare(model: nn.Module) -> nn.Module:
     return model.module if isinstance(model, (DistributedDataParallel, nn.DataParallel)) else model
 
 
 def parameters_finite(model: nn.Module) -> torch.Tensor:
-    """A device flag (int32 0/1): every parameter and buffer of `model` is finite."""
-    flags = [torch.isfinite(t).all() for t in model.state_dict().values() if t.is_floating_point()]
+    """A device flag (int32 0/1): every parameter and buffer of `model` (this rank's shards, under FSDP) is finite."""
+    flags = [torch.isfinite(_local(t)).all() for t in model.state_dict().values() if t.is_floating_point()]
     return torch.stack(flags).all().to(torch.int32) if flags else torch.ones((), dtype=torch.int32)

@@ -8,8 +8,10 @@ import torch
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 
+from ddp.config_checks import MULTI_PROCESS
 from ddp.ema import EMA, build_ema
 from ddp.env import DistEnv
+from ddp.fsdp import shard_model
 from ddp.syncbn import convert_syncbn
 
 log = logging.getLogger(__name__)
@@ -18,10 +20,10 @@ log = logging.getLogger(__name__)
 def prepare_model(model: nn.Module, strategy_cfg, env: DistEnv, device: torch.device, *, channels_last: bool, syncbn: bool,
                   ema_decay: float | None, compile: bool, compile_mode: str | None) -> tuple[nn.Module, nn.Module, nn.Module, EMA | None]:
     """(the model that trains, wrapped; the bare model that checkpoints hold; the module compiled, or
-    not; its EMA or None), in this order: device and memory format, SyncBN (strategy=ddp), the EMA's
-    copy, torch.compile, the strategy's wrapper."""
+    not; its EMA or None), in this order: device and memory format, SyncBN (strategy=ddp or fsdp), the
+    EMA's copy, torch.compile, the strategy's wrapper. Under fsdp all three models are one, sharded in place."""
     model = model.to(device, memory_format=torch.channels_last if channels_last else torch.preserve_format)
-    if syncbn and strategy_cfg.name == "ddp":
+    if syncbn and strategy_cfg.name in MULTI_PROCESS:
         model = convert_syncbn(model, device)
     raw_model, ema = model, build_ema(model, ema_decay)
     # Compiled before wrapping, as timm does (the two orders measured alike on CPU: docs/recipes.md).
@@ -31,10 +33,13 @@ def prepare_model(model: nn.Module, strategy_cfg, env: DistEnv, device: torch.de
 
 
 def wrap_model(model: nn.Module, strategy_cfg, env: DistEnv, device: torch.device) -> nn.Module:
-    """single: the model itself; dp: nn.DataParallel over the visible GPUs; ddp: DistributedDataParallel."""
+    """single: the model itself; dp: nn.DataParallel over the visible GPUs; ddp: DistributedDataParallel;
+    fsdp: the model itself, sharded (ddp/fsdp.py)."""
     name = strategy_cfg.name
     if name == "single":
         return model
+    if name == "fsdp":
+        return shard_model(model, strategy_cfg, device)
     if name == "dp":
         if device.type != "cuda":
             log.warning("strategy=dp: no CUDA GPUs visible, so DataParallel runs one replica on CPU")

@@ -45,6 +45,8 @@ class SmallSegNet(nn.Module):
     with enough BatchNorm for SyncBN to matter. `backbone` -> `classifier` gives `out`;
     `aux_classifier` on the backbone's features gives `aux`."""
 
+    fsdp_block_types = ("Conv2d",)  # strategy=fsdp shards each convolution as one unit (ddp/fsdp.py)
+
     def __init__(self, num_classes: int, in_channels: int, width: int = 16, aux_loss: bool = True):
         super().__init__()
         self.backbone = nn.Sequential(_block(in_channels, width), _block(width, 2 * width, stride=2))

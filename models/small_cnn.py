@@ -18,6 +18,8 @@ def _norm(kind: str, width: int) -> nn.Module:
 
 
 class SmallCNN(nn.Module):
+    fsdp_block_types = ("Conv2d", "Linear")  # strategy=fsdp shards each layer with weights as one unit (ddp/fsdp.py)
+
     def __init__(self, num_classes: int, in_channels: int, channels: list[int], dropout: float = 0.0, norm: str = "batch"):
         super().__init__()
         if norm not in NORMS:

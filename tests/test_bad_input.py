@@ -11,6 +11,7 @@ import subprocess
 from pathlib import Path
 
 import pytest
+import torch
 from hydra import compose, initialize_config_dir
 from hydra.errors import ConfigCompositionException
 
@@ -95,6 +96,25 @@ def _resnet18_weights(tmp: Path) -> Path:
     path = tmp / "resnet18.pth"
     torch.save(torchvision.models.resnet18(num_classes=10).state_dict(), path)
     return path
+
+
+def _checkpoint_file(tmp: Path) -> Path:
+    path = tmp / "step.ckpt"  # not *.pt: the test finds no checkpoint written by the run
+    torch.save({"model": {}, "global_step": 1}, path)
+    return path
+
+
+def _sharded_checkpoint(tmp: Path) -> Path:
+    """What resume sees of one: DCP's index (here empty) and rank 0's state; beside tmp, whose *.pt files
+    would be checkpoints the run wrote."""
+    path = tmp.parent / f"{tmp.name}-sharded" / "step-00000001"
+    path.mkdir(parents=True)
+    (path / ".metadata").touch()
+    torch.save({"sharded": True, "global_step": 1}, path / "state.pt")
+    return path
+
+
+FSDP = ["strategy=fsdp", "strategy.nproc_per_node=2"]  # validated in this process, as the launcher does
 
 
 # (args, key named in the message, distinctive part(s) of the message, setup); "{tmp}" is tmp_path,
@@ -232,6 +252,22 @@ OUR_ERRORS = {
     ),
     "model_kwarg_the_model_rejects": (
         QUICK + ["model=torchvision", "model.name=resnet18", "+model.kwargs.depth=3"], "model", "unexpected keyword argument 'depth'", None,
+    ),
+    "ema_with_fsdp": (QUICK + [*FSDP, "ema.decay=0.9"], "ema.decay=0.9", "strategy=fsdp", None),
+    "compile_with_fsdp": (QUICK + [*FSDP, "compile=true"], "compile=true", "strategy=fsdp", None),
+    "bf16_with_fsdp": (QUICK + [*FSDP, "precision=bf16"], "precision=bf16", "strategy=fsdp", None),
+    "fsdp_block_type_the_model_lacks": (
+        QUICK + [*FSDP, "strategy.block_types=[Bottleneck]"], "strategy.block_types=['Bottleneck']", "pick from", None,
+    ),
+    "fsdp_resuming_a_checkpoint_file": (
+        QUICK + [*FSDP, "resume={dir}"], "resume", "strategy=fsdp doesn't resume from yet", _checkpoint_file,
+    ),
+    "ddp_resuming_a_sharded_checkpoint": (
+        QUICK + ["strategy=ddp", "strategy.nproc_per_node=2", "resume={dir}"], "resume", "strategy=ddp doesn't resume from yet",
+        _sharded_checkpoint,
+    ),
+    "eval_of_an_unreadable_sharded_checkpoint": (
+        QUICK + ["mode=eval", "resume={dir}"], "resume", "unreadable sharded checkpoint", _sharded_checkpoint,
     ),
     "repeated_device": (QUICK + ["devices=[0,0]"], "devices=[0, 0]", "distinct GPU indices", None),
     "negative_device": (QUICK + ["devices=[-1]"], "devices=[-1]", "distinct GPU indices", None),

@@ -42,7 +42,8 @@ register_resolvers()
 # Every option of every group, with its schema: a dataclass its yaml starts from, or for a model, a
 # dataset or a task the builder its yaml names, whose signature is the schema of its options.
 OPTIONS = {
-    "strategy": {"single": schema.StrategyConfig, "dp": schema.StrategyConfig, "ddp": schema.StrategyConfig},
+    "strategy": {"single": schema.StrategyConfig, "dp": schema.StrategyConfig, "ddp": schema.StrategyConfig,
+                 "fsdp": schema.FSDPStrategyConfig},
     "model": {"small_cnn": SmallCNN, "resnet18": build_resnet18, "torchvision": build_torchvision, "timm": build_timm,
               "small_segnet": small_segnet, "segmentation": build_segmentation_model},
     "data": {
@@ -87,6 +88,8 @@ OPTION_KEYS = {
     ("strategy", "single"): {"name", "timeout_s", "bucket_cap_mb", "find_unused_parameters", "nproc_per_node", "max_restarts"},
     ("strategy", "dp"): {"name", "timeout_s", "bucket_cap_mb", "find_unused_parameters", "nproc_per_node", "max_restarts"},
     ("strategy", "ddp"): {"name", "timeout_s", "bucket_cap_mb", "find_unused_parameters", "nproc_per_node", "max_restarts"},
+    ("strategy", "fsdp"): {"name", "timeout_s", "bucket_cap_mb", "find_unused_parameters", "nproc_per_node", "max_restarts",
+                           "reshard_after_forward", "block_types"},
     ("model", "small_cnn"): {"_target_", "weights_path", "weights_scope", "channels", "dropout", "norm"},
     ("model", "resnet18"): {"_target_", "weights_path", "weights_scope", "small_input"},
     ("model", "torchvision"): {"_target_", "weights_path", "weights_scope", "name", "weights", "small_input", "kwargs"},
@@ -197,7 +200,7 @@ def test_option_passes_validation(group, option, tmp_path, monkeypatch):
     monkeypatch.chdir(tmp_path)
     (tmp_path / "datasets" / "cifar10").mkdir(parents=True)
     cfg = compose_config(f"{group}={option}")
-    distributed = cfg.strategy.name == "ddp"
+    distributed = cfg.strategy.name in ("ddp", "fsdp")
     validate(cfg, launched=distributed, world_size=2 if distributed else 1)
 
 
