@@ -99,7 +99,7 @@ def fit(cfg: DictConfig, env: DistEnv, device: torch.device, gpus: list[int], me
     """Set up training (loaders, model, update, the resumed position), train, save, and report."""
     train_loader = build_train_loader(splits.train, cfg.data, env, cfg.seed, pin_memory=device.type == "cuda")
     val_loader = build_val_loader(splits.val, cfg.data, env, pin_memory=device.type == "cuda")
-    model, raw_model, trained, ema = prepare_model(model, cfg.strategy, env, device, channels_last=cfg.channels_last,
+    model, raw_model, trained, ema = prepare_model(model, cfg.strategy, env, device, precision=cfg.precision, channels_last=cfg.channels_last,
                                                    syncbn=cfg.syncbn, ema_decay=cfg.ema.decay, compile=cfg.compile,
                                                    compile_mode=cfg.compile_mode)
     lr = scaled_lr(cfg.optim, length.global_batch)
@@ -133,8 +133,9 @@ def fit(cfg: DictConfig, env: DistEnv, device: torch.device, gpus: list[int], me
         wall_s = time.perf_counter() - started
         checkpointer.save_if_unsaved(position)  # save and summarise (rank 0)
         log_hparams(monitor.writer, cfg, length, lr, env.world_size, metrics, position.global_step)
+        performance = monitor.performance(wall_s, update.state_bytes(), position.global_step)
     results = training_results(cfg, metrics, best.results(), position, length, lr, env.world_size, len(splits.train),
-                               monitor.performance(wall_s, update.state_bytes()), replicas_identical(raw_model, include_buffers=True),
+                               performance, replicas_identical(raw_model, include_buffers=True),
                                report_skipped_samples(splits, device))
     write_results(results, run_dir, env)
     return results

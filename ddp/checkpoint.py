@@ -1,5 +1,6 @@
 """Checkpoints: written atomically by rank 0, found newest-first, loaded without running pickled code.
-strategy=fsdp's are dirs of shards (ddp/sharded_checkpoint.py); their state.pt is written and read here."""
+strategy=fsdp's are dirs of shards (ddp/sharded_checkpoint.py); their state.pt is written and read here,
+and their DCP index (a pickle, which torch's reader unpickles with no restriction) is checked here first."""
 
 import logging
 import os
@@ -10,6 +11,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
+from torch.distributed.checkpoint import metadata as dcp_metadata
 
 log = logging.getLogger(__name__)
 
@@ -126,6 +128,7 @@ def load_checkpoint(path: Path) -> dict[str, Any]:
     if path.is_dir() and (path / SHARDED_STATE).is_file():
         if not is_sharded_checkpoint(path):
             raise CheckpointError(f"{path}: incomplete sharded checkpoint (no {SHARDED_INDEX})")
+        check_sharded_index(path)
         return load_checkpoint(path / SHARDED_STATE)
     if not path.is_file():
         raise CheckpointError(f"{path}: not found")
@@ -136,6 +139,38 @@ def load_checkpoint(path: Path) -> dict[str, Any]:
         raise CheckpointError(f"{path}: refused, it holds pickled objects that weights_only loading won't run ({reason})") from None
     except (RuntimeError, EOFError, OSError, ValueError) as error:
         raise CheckpointError(f"{path}: unreadable ({str(error).strip().splitlines()[0]})") from None
+
+
+class _IndexUnpickler(pickle.Unpickler):
+    """Unpickles DCP's index with only the globals DCP writes there: its metadata classes, torch's
+    dtypes, sizes and layouts, and paths. Anything else (os.system, say) is refused, never called."""
+
+    ALLOWED = {("torch", "Size"), ("torch.serialization", "_get_layout"),
+               ("torch.distributed.checkpoint.filesystem", "_StorageInfo"), ("collections", "OrderedDict"),
+               ("pathlib", "Path"), ("pathlib", "PosixPath"), ("pathlib", "WindowsPath"), ("pathlib", "PurePosixPath")}
+
+    def find_class(self, module: str, name: str):
+        if module == dcp_metadata.__name__ and isinstance(getattr(dcp_metadata, name, None), type):
+            return getattr(dcp_metadata, name)
+        if module == "torch" and isinstance(getattr(torch, name, None), torch.dtype):
+            return getattr(torch, name)
+        if (module, name) in self.ALLOWED:
+            return super().find_class(module, name)
+        raise pickle.UnpicklingError(f"{module}.{name} is not among what a DCP index holds")
+
+
+def check_sharded_index(path: Path) -> None:
+    """Refuse a sharded checkpoint whose index would run code when torch's reader unpickles it, or that
+    points at a pickled object (DCP loads those with weights_only=False): ours hold tensors only."""
+    index = path / SHARDED_INDEX
+    try:
+        with open(index, "rb") as file:
+            entries = _IndexUnpickler(file).load().state_dict_metadata
+    except (pickle.UnpicklingError, AttributeError, EOFError, OSError, ValueError, TypeError) as error:
+        raise CheckpointError(f"{index}: refused, it holds pickled objects that a DCP index doesn't ({error})") from None
+    objects = [key for key, entry in entries.items() if not isinstance(entry, dcp_metadata.TensorStorageMetadata)]
+    if objects:
+        raise CheckpointError(f"{index}: refused, it stores pickled objects, which loading would run ({', '.join(objects)})")
 
 
 def is_sharded_checkpoint(path: Path) -> bool:

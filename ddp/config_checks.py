@@ -190,8 +190,3 @@ def _check_fsdp_settings(cfg: Any) -> None:
     _check(cfg.ema.decay is None, f"ema.decay={cfg.ema.decay}: the EMA keeps a full copy of the model, which "
                                   "strategy=fsdp doesn't shard yet; use strategy=ddp, or ema.decay=null")
     _check(not cfg.compile, "compile=true: strategy=fsdp doesn't compile its sharded blocks yet; use compile=false, or strategy=ddp")
-    _check(cfg.precision == "32", f"precision={cfg.precision}: strategy=fsdp trains in float32 only for now "
-                                  "(no MixedPrecisionPolicy yet); use precision=32, or strategy=ddp")
-    _check(cfg.task.get("num_images_logged", 0) == 0,
-           f"task.num_images_logged={cfg.task.get('num_images_logged')}: the image grid runs the model on rank 0 "
-           "alone, and a sharded model's forward needs every rank; use task.num_images_logged=0 with strategy=fsdp")

@@ -120,7 +120,7 @@ def evaluate_checkpoint(cfg: DictConfig, env: DistEnv, backend: str, device: tor
         if ema is not None:
             ema = ema.to(device)
         loader = build_val_loader(dataset, cfg.data, env, pin_memory=device.type == "cuda")
-        eval_model = wrap_model(model, cfg.strategy, env, device) if cfg.strategy.name == "dp" else model
+        eval_model = wrap_model(model, cfg.strategy, env, device, cfg.precision) if cfg.strategy.name == "dp" else model
         metrics = evaluate_with_ema(eval_model, ema, loader, device, cfg.trainer.limit_val_batches, task)
     results = {
         **{key.replace("val_", f"{split}_", 1): value for key, value in metrics.items()},

@@ -4,6 +4,12 @@ Every rank keeps 1/world_size of each parameter, its gradient and its optimizer 
 full parameters exist only while it computes (all-gathered before, freed after its forward when
 strategy.reshard_after_forward), and its gradients are reduce-scattered as the backward leaves it.
 The optimizer is built afterwards, on the sharded parameters (DTensors).
+
+precision=bf16|16 is FSDP's MixedPrecisionPolicy, not autocast: the float32 shards stay the master
+weights (what the optimizer steps and checkpoints hold), a block's parameters are all-gathered and
+computed in the low precision, and gradients are reduced in float32. BatchNorm layers are their own
+units that compute in float32 (low-precision batch statistics lose accuracy: torchtitan#674), and the
+model's output is float32, so the loss is computed as in precision=32.
 """
 
 import logging
@@ -12,7 +18,8 @@ import torch
 import torch.distributed as dist
 from torch import nn
 from torch.distributed.device_mesh import init_device_mesh
-from torch.distributed.fsdp import FSDPModule, fully_shard
+from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
+from torch.nn.modules.batchnorm import _BatchNorm
 
 from ddp.config import ConfigError
 from ddp.process_group import replicas_identical
@@ -46,9 +53,13 @@ def check_blocks(model: nn.Module, strategy_cfg) -> None:
         find_blocks(model, strategy_cfg.block_types)
 
 
-def shard_model(model: nn.Module, strategy_cfg, device: torch.device) -> nn.Module:
+LOW_PRECISION = {"bf16": torch.bfloat16, "16": torch.float16}
+
+
+def shard_model(model: nn.Module, strategy_cfg, device: torch.device, precision: str) -> nn.Module:
     """fully_shard each block (innermost first), then the root, over a 1-D mesh of every rank. Returns
-    `model` itself, now an FSDPModule whose parameters are DTensor shards.
+    `model` itself, now an FSDPModule whose parameters are DTensor shards. precision=bf16|16: each
+    BatchNorm layer first, computing in float32 (module docstring).
 
     FSDP doesn't broadcast rank 0's initial weights (pytorch#148756): each rank keeps its slice of its
     own. The same seed builds the same model everywhere; a rank-dependent init is refused here, before
@@ -59,17 +70,26 @@ def shard_model(model: nn.Module, strategy_cfg, device: torch.device) -> nn.Modu
     # The mesh is explicit: left to default, a gloo group on a GPU host has segfaulted (pytorch#132471).
     mesh = init_device_mesh(device.type, (dist.get_world_size(),))
     blocks = find_blocks(model, strategy_cfg.block_types)
+    low = LOW_PRECISION.get(precision)
+    block_policy = MixedPrecisionPolicy(param_dtype=low, reduce_dtype=torch.float32 if low else None)
+    shard = {"mesh": mesh, "reshard_after_forward": strategy_cfg.reshard_after_forward}
+    if low is not None:  # leaves, so before any block that holds them
+        norm_policy = MixedPrecisionPolicy(param_dtype=torch.float32, reduce_dtype=torch.float32, output_dtype=low)
+        for norm in [module for module in model.modules() if isinstance(module, _BatchNorm) and module not in blocks]:
+            fully_shard(norm, mp_policy=norm_policy, **shard)
     for block in reversed(blocks):  # children before the blocks that hold them
-        fully_shard(block, mesh=mesh, reshard_after_forward=strategy_cfg.reshard_after_forward)
-    fully_shard(model, mesh=mesh, reshard_after_forward=strategy_cfg.reshard_after_forward)
+        fully_shard(block, mp_policy=block_policy, **shard)
+    root_policy = MixedPrecisionPolicy(param_dtype=low, reduce_dtype=torch.float32 if low else None,
+                                       output_dtype=torch.float32 if low else None)
+    fully_shard(model, mp_policy=root_policy, **shard)
     if dist.get_backend() == "gloo":
         # FSDP averages gradients with a ReduceOp.AVG reduce-scatter, which gloo got wrong (it summed:
         # pytorch#162338). Sum instead, the one op every backend does, and let FSDP divide by the world size.
         for module in model.modules():
             if isinstance(module, FSDPModule):
                 module.set_force_sum_reduction_for_comms(True)
-    log.info("fsdp: %d block(s) sharded, then the root, over %d ranks (reshard_after_forward=%s)",
-             len(blocks), mesh.size(), strategy_cfg.reshard_after_forward)
+    log.info("fsdp: %d block(s) sharded, then the root, over %d ranks (reshard_after_forward=%s, precision=%s)",
+             len(blocks), mesh.size(), strategy_cfg.reshard_after_forward, precision)
     return model
 
 

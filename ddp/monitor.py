@@ -142,14 +142,20 @@ class RunMonitor:
     def close_progress(self) -> None:
         self.progress.close()
 
-    def performance(self, wall_s: float, state_bytes: list[int]) -> dict:
+    def performance(self, wall_s: float, state_bytes: list[int], step: int) -> dict:
         """The run's throughput, memory and straggler figures, with every rank's (a collective).
-        `state_bytes`: this rank's bytes of parameters, gradients and optimizer state (UpdateStep.state_bytes)."""
+        `state_bytes`: this rank's bytes of parameters, gradients and optimizer state (UpdateStep.state_bytes),
+        also logged to TensorBoard at `step` as memory/<kind>_bytes/rank<R>."""
         peak_mb, peak_device = peak_memory(self.cuda_devices, self.memory_reset)
         self.compute_timer.window_per_update()  # counts the last window
         per_rank = gather_per_rank([self.meter.data_wait_fraction, peak_mb, self.compute_timer.per_update, *state_bytes],
                                    self.device)
         samples_per_s = self.meter.samples_per_s
+        state_bytes_per_rank = {f"{kind}_bytes_per_rank": [int(rank[3 + i]) for rank in per_rank]
+                                for i, kind in enumerate(("parameter", "gradient", "optimizer_state"))}
+        for key, per_rank_bytes in state_bytes_per_rank.items():
+            for rank, value in enumerate(per_rank_bytes):
+                self.writer.add_scalar(f"memory/{key.removesuffix('_per_rank')}/rank{rank}", value, step)
         return {
             "samples_per_s": samples_per_s,
             "samples_per_s_per_rank": samples_per_s / self.env.world_size if samples_per_s else None,
@@ -161,6 +167,5 @@ class RunMonitor:
             "peak_memory_mb_per_rank": [rank[1] for rank in per_rank],
             "compute_s_per_update_per_rank": [rank[2] for rank in per_rank],
             "straggler_ratio": straggler_stats([rank[2] for rank in per_rank])["straggler_ratio"],
-            **{f"{kind}_bytes_per_rank": [int(rank[3 + i]) for rank in per_rank]
-               for i, kind in enumerate(("parameter", "gradient", "optimizer_state"))},
+            **state_bytes_per_rank,
         }

@@ -8,12 +8,14 @@ renames the dir to `step-<N>`: a kill mid-save leaves no `step-<N>` for resume=a
 
 DCP reshards on load (`set_state_dict`), so a checkpoint resumes at any world size, and its model
 reads back whole in one process (`full_model_state`: mode=eval, the export to one file). The DCP part
-holds tensors only; `state.pt` loads with weights_only=True. DCP's own `.metadata` is a pickle,
-which torch reads with pickle.load: load sharded checkpoints only from sources you trust.
+holds tensors only; `state.pt` loads with weights_only=True. DCP's own `.metadata` is a pickle, which
+torch reads with an unrestricted pickle.load: ddp/checkpoint.py unpickles it first with only the
+globals DCP writes there, and refuses an index that names any other or that points at a pickled object.
 """
 
 import os
 import shutil
+import warnings
 from pathlib import Path
 from typing import Any
 
@@ -26,7 +28,7 @@ from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 
-from ddp.checkpoint import SHARDED_STATE, CheckpointError, checkpoint_dir, fsync_dir, save_checkpoint
+from ddp.checkpoint import SHARDED_STATE, CheckpointError, check_sharded_index, checkpoint_dir, fsync_dir, save_checkpoint
 
 
 def save_sharded_checkpoint(model: nn.Module, optimizer, state: dict[str, Any], run_dir: Path, step: int,
@@ -68,12 +70,15 @@ def full_model_state(path: Path) -> dict[str, torch.Tensor]:
     """The sharded checkpoint's model as one plain state_dict of full tensors, read in this process
     alone (no process group, any world size and strategy): DCP fills tensors of the saved full shapes
     from every rank's shards. Buffers are rank 0's (Checkpointer saves those)."""
+    check_sharded_index(path)
     try:
         metadata = FileSystemReader(path).read_metadata()
         state = {key.removeprefix("model."): torch.empty(entry.size, dtype=entry.properties.dtype)
                  for key, entry in metadata.state_dict_metadata.items()
                  if key.startswith("model.") and isinstance(entry, TensorStorageMetadata)}
-        dcp.load({"model": state}, checkpoint_id=path, no_dist=True)
+        with warnings.catch_warnings():  # no_dist=True is the intent, which DCP warns it assumes
+            warnings.filterwarnings("ignore", message="torch.distributed is disabled, unavailable or uninitialized")
+            dcp.load({"model": state}, checkpoint_id=path, no_dist=True)
     except (Exception, CheckpointException) as error:  # DCP's CheckpointException is a BaseException
         reason = str(error).strip().splitlines()[0] if str(error).strip() else type(error).__name__
         raise CheckpointError(f"{path}: unreadable sharded checkpoint ({reason})") from None

@@ -8,6 +8,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 from torch.distributed.fsdp import FSDPModule
+from torch.distributed.fsdp.sharded_grad_scaler import ShardedGradScaler
 from torch.distributed.tensor import DTensor
 from torch.nn.parallel import DistributedDataParallel
 from torch.optim import lr_scheduler
@@ -45,8 +46,14 @@ class UpdateStep:
         self.model, self.optimizer, self.scheduler, self.ema = model, optimizer, scheduler, ema
         self.task = task  # its train_batch and loss (tasks/__init__.py)
         self.device = device
-        self.autocast_dtype = AUTOCAST_DTYPES[precision]
-        self.scaler = torch.amp.GradScaler(device.type) if precision == "16" else None
+        sharded = isinstance(model, FSDPModule)
+        # FSDP's MixedPrecisionPolicy casts instead of autocast (ddp/fsdp.py); its fp16 scaler agrees
+        # across ranks on whether any rank's gradient shards held an inf
+        self.autocast_dtype = None if sharded else AUTOCAST_DTYPES[precision]
+        scaler = ShardedGradScaler if sharded else torch.amp.GradScaler
+        self.scaler = scaler(device.type) if precision == "16" else None
+        if self.scaler and sharded:  # its found_inf is a 1-element tensor, which DTensor warns about at every unscale
+            warnings.filterwarnings("ignore", message="Found a non-scalar tensor with numel=1 and ndim!=0")
         if self.scaler and scheduler:
             # the schedule steps on a skipped update too, by design (above); torch warns about it once
             warnings.filterwarnings("ignore", message=r"Detected call of `lr_scheduler.step\(\)` before `optimizer.step\(\)`")

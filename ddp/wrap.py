@@ -17,8 +17,8 @@ from ddp.syncbn import convert_syncbn
 log = logging.getLogger(__name__)
 
 
-def prepare_model(model: nn.Module, strategy_cfg, env: DistEnv, device: torch.device, *, channels_last: bool, syncbn: bool,
-                  ema_decay: float | None, compile: bool, compile_mode: str | None) -> tuple[nn.Module, nn.Module, nn.Module, EMA | None]:
+def prepare_model(model: nn.Module, strategy_cfg, env: DistEnv, device: torch.device, *, precision: str, channels_last: bool,
+                  syncbn: bool, ema_decay: float | None, compile: bool, compile_mode: str | None) -> tuple[nn.Module, nn.Module, nn.Module, EMA | None]:
     """(the model that trains, wrapped; the bare model that checkpoints hold; the module compiled, or
     not; its EMA or None), in this order: device and memory format, SyncBN (strategy=ddp or fsdp), the
     EMA's copy, torch.compile, the strategy's wrapper. Under fsdp all three models are one, sharded in place."""
@@ -29,17 +29,17 @@ def prepare_model(model: nn.Module, strategy_cfg, env: DistEnv, device: torch.de
     # Compiled before wrapping, as timm does (the two orders measured alike on CPU: docs/recipes.md).
     # Checkpoints hold raw_model's plain keys, never torch.compile's `_orig_mod.` ones.
     trained = torch.compile(model, mode=compile_mode) if compile else model
-    return wrap_model(trained, strategy_cfg, env, device), raw_model, trained, ema
+    return wrap_model(trained, strategy_cfg, env, device, precision), raw_model, trained, ema
 
 
-def wrap_model(model: nn.Module, strategy_cfg, env: DistEnv, device: torch.device) -> nn.Module:
+def wrap_model(model: nn.Module, strategy_cfg, env: DistEnv, device: torch.device, precision: str) -> nn.Module:
     """single: the model itself; dp: nn.DataParallel over the visible GPUs; ddp: DistributedDataParallel;
-    fsdp: the model itself, sharded (ddp/fsdp.py)."""
+    fsdp: the model itself, sharded, in `precision` (ddp/fsdp.py; the others autocast in ddp/update.py)."""
     name = strategy_cfg.name
     if name == "single":
         return model
     if name == "fsdp":
-        return shard_model(model, strategy_cfg, device)
+        return shard_model(model, strategy_cfg, device, precision)
     if name == "dp":
         if device.type != "cuda":
             log.warning("strategy=dp: no CUDA GPUs visible, so DataParallel runs one replica on CPU")

@@ -15,6 +15,7 @@ SegmentationTask (task=segmentation) puts these behind the task interface (tasks
 import math
 
 import torch
+from torch.distributed.fsdp import FSDPModule
 from torch.nn import functional as F
 
 from torchvision.utils import make_grid
@@ -151,9 +152,10 @@ class SegmentationTask:
         """`val/images`: one row per sample of the first num_images_logged val samples (the same ones at
         every validation): the input, its target and the model's prediction. Each sample goes through
         the model alone, as at batch 1; images of different sizes are padded at their right and bottom
-        with black. Only where the writer writes (rank 0); no collectives."""
+        with black. Only where the writer writes (rank 0), except that every rank runs the forwards of a
+        sharded model (strategy=fsdp), each of which is a collective."""
         count = min(self.num_images_logged, len(dataset))
-        if not writer.active or count == 0:
+        if count == 0 or not (writer.active or isinstance(model, FSDPModule)):
             return
         rows = []
         with torch.random.fork_rng(devices=[]):  # loading a sample must not move the training run's RNG
@@ -162,6 +164,8 @@ class SegmentationTask:
             output = model(image.unsqueeze(0).to(device))
             prediction = (output["out"] if isinstance(output, dict) else output).argmax(dim=1)[0]
             rows += [_rescaled(image), colourise(mask, self.ignore_index), colourise(prediction, self.ignore_index)]
+        if not writer.active:
+            return
         height, width = max(row.shape[1] for row in rows), max(row.shape[2] for row in rows)
         rows = [F.pad(row, (0, width - row.shape[2], 0, height - row.shape[1])) for row in rows]  # black
         writer.add_image("val/images", make_grid(rows, nrow=3, padding=2, pad_value=0.5), step)

@@ -255,7 +255,6 @@ OUR_ERRORS = {
     ),
     "ema_with_fsdp": (QUICK + [*FSDP, "ema.decay=0.9"], "ema.decay=0.9", "strategy=fsdp", None),
     "compile_with_fsdp": (QUICK + [*FSDP, "compile=true"], "compile=true", "strategy=fsdp", None),
-    "bf16_with_fsdp": (QUICK + [*FSDP, "precision=bf16"], "precision=bf16", "strategy=fsdp", None),
     "fsdp_block_type_the_model_lacks": (
         QUICK + [*FSDP, "strategy.block_types=[Bottleneck]"], "strategy.block_types=['Bottleneck']", "pick from", None,
     ),

@@ -1,9 +1,12 @@
 """strategy=fsdp under torchrun (CPU, gloo): the same training as DDP and as one process at the global
-batch, exact evaluation, and sharded checkpoints that resume bit-identically at the same world size
-and with every sample trained once at another."""
+batch, for both tasks; exact evaluation; sharded checkpoints that resume bit-identically at the same
+world size and with every sample trained once at another, and whose loading runs no pickled code;
+mixed precision through FSDP's policy, in a sweep. Runs that several tests read are shared by the
+test processes (conftest.shared_run); the one-process sides run in the test process."""
 
 import json
 import os
+import pickle
 import re
 import shutil
 import subprocess
@@ -13,14 +16,20 @@ from pathlib import Path
 import pytest
 import torch
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+from torch.distributed.checkpoint import FileSystemReader
 from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
+from torch.distributed.checkpoint.metadata import BytesStorageMetadata
 
-from conftest import REPO, TINY, TORCHRUN, check, launch, load_last, load_results, run_dirs
-from ddp.checkpoint import load_checkpoint, load_latest_checkpoint
+from conftest import (REPO, TINY, TORCHRUN, as_json, check, config_error_in_this_process, last_checkpoint, launch,
+                      load_last, load_results, results_of, run_dirs, run_in_this_process, shared_run)
+from ddp.checkpoint import CheckpointError, load_checkpoint, load_latest_checkpoint
+from ddp.export import export_model
 from models.small_cnn import SmallCNN
 from models.weights import load_weights
 from test_elastic import records
-from test_fault_tolerance import assert_same_state, torchrun
+from test_fault_tolerance import _CreatesFileWhenUnpickled, assert_same_state, torchrun
+from test_segmentation_runs import GRID, LEARN, learned  # noqa: F401, F811 (learned: a fixture)
+from test_sweeps import assert_one_run_per_job_dir, job_dirs, shared_sweep, summary_rows
 
 # DDP_RUN's training (conftest: 2 ranks x batch 8 with SyncBN, 16 steps) under fsdp, saving every 5
 # steps (the last 3 kept: 10, 15, 16), each rank recording the samples it trains.
@@ -29,12 +38,15 @@ FSDP_RUN = ["strategy=fsdp", "syncbn=true", *TINY, "checkpoint.keep_best=0", "ch
 SAMPLES = 128
 
 
-@pytest.fixture(scope="module")
-def fsdp_run(tmp_path_factory) -> Path:
-    """FSDP_RUN under torchrun --nproc_per_node=2: its cwd."""
-    cwd = tmp_path_factory.mktemp("fsdp")
+def run_fsdp(cwd: Path) -> dict:
     check(launch(FSDP_RUN, cwd, nproc=2))
-    return cwd
+    return {}
+
+
+@pytest.fixture
+def fsdp_run(tmp_path_factory) -> Path:
+    """FSDP_RUN under torchrun --nproc_per_node=2, once for all test processes: its cwd."""
+    return shared_run("fsdp_run", run_fsdp, tmp_path_factory)[0]
 
 
 def step_dir(cwd: Path, step: int) -> Path:
@@ -53,7 +65,7 @@ def test_fsdp_trains_as_ddp_and_one_process_with_the_global_batch(fsdp_run, ddp_
     three agree within float noise, and evaluation (the sharded model's forward, every sample once)
     reports DDP's metrics."""
     fsdp = full_state(step_dir(fsdp_run, 16), tmp_path)["model"]
-    for other in (load_last(ddp_run[0])["model"], load_last(single_run[0])["model"]):
+    for other in (load_last(ddp_run[0])["model"], last_checkpoint(single_run)["model"]):
         assert fsdp.keys() == other.keys() and any(key.endswith("running_var") for key in fsdp)
         for key in other:
             torch.testing.assert_close(fsdp[key], other[key], msg=lambda m, key=key: f"{key}: {m}")
@@ -130,7 +142,7 @@ def test_resume_at_another_world_size_trains_every_sample_once(fsdp_run, tmp_pat
     assert (best["global_step"], best["world_size"]) == (results["best_step"], world_size)
 
 
-def test_every_rank_starts_from_the_same_weights(tmp_path):
+def test_every_rank_starts_from_the_same_weights_and_bf16_keeps_batchnorm_in_float32(tmp_path):
     """FSDP keeps each rank's slice of its own init (pytorch#148756): the full weights that 2 ranks'
     shards make up are those of the model built in one process with the seed; a model whose init
     depends on the rank is refused on every rank before it is sharded."""
@@ -142,18 +154,32 @@ def test_every_rank_starts_from_the_same_weights(tmp_path):
     assert_same_state(torch.load(tmp_path / "full.pt", weights_only=True), one_process)
     for rank in (0, 1):
         assert "the ranks built different initial weights" in (tmp_path / f"refusal_rank{rank}.txt").read_text()
+    # precision=bf16 (MixedPrecisionPolicy): convolutions compute in bf16, BatchNorm in float32, the
+    # output (and so the loss) is float32, and the sharded parameters stay float32
+    assert json.loads((tmp_path / "bf16_dtypes.json").read_text()) == {
+        "parameters": ["torch.float32"], "model_output": "torch.float32",
+        "conv": {"input": "torch.bfloat16", "weight": "torch.bfloat16"},
+        "batchnorm": {"input": "torch.float32", "weight": "torch.float32"},
+    }
 
 
 def test_each_rank_holds_about_half_of_ddps_parameters_gradients_and_optimizer_state(fsdp_run, ddp_run):
     """results.json's per-rank bytes, from the tensors each rank holds: under DDP every rank the whole
     model, its gradients and its momentum buffers; under fsdp on 2 ranks at most 55% of that each,
-    and the shards together at least the whole."""
+    and the shards together at least the whole. TensorBoard has the same figures at the last step."""
     fsdp, ddp = load_results(fsdp_run), load_results(ddp_run[0])
     model_bytes = 4 * sum(p.numel() for p in SmallCNN(num_classes=10, in_channels=3, channels=[8, 16]).parameters())
     for kind in ("parameter", "gradient", "optimizer_state"):  # SGD with momentum: one buffer per parameter
         assert ddp[f"{kind}_bytes_per_rank"] == [model_bytes, model_bytes], kind
         shards = fsdp[f"{kind}_bytes_per_rank"]
         assert len(shards) == 2 and all(0 < rank <= 0.55 * model_bytes for rank in shards) and sum(shards) >= model_bytes, kind
+    accumulator = EventAccumulator(str(run_dirs(fsdp_run)[0]))
+    accumulator.Reload()
+    logged = {tag: [(event.step, event.value) for event in accumulator.Scalars(tag)]
+              for tag in accumulator.Tags()["scalars"] if tag.startswith("memory/")}
+    assert logged == {f"memory/{kind}_bytes/rank{rank}": [(16, bytes_)]
+                      for kind in ("parameter", "gradient", "optimizer_state")
+                      for rank, bytes_ in enumerate(fsdp[f"{kind}_bytes_per_rank"])}
 
 
 def test_export_writes_one_plain_state_dict_for_the_bare_model_and_weights_path(fsdp_run, tmp_path):
@@ -174,16 +200,48 @@ def test_export_writes_one_plain_state_dict_for_the_bare_model_and_weights_path(
     assert_same_state(model.state_dict(), exported)
 
 
-def test_eval_of_a_sharded_checkpoint_in_one_process_reports_the_training_runs_metrics(fsdp_run, tmp_path):
+def test_eval_of_a_sharded_checkpoint_in_one_process_reports_the_training_runs_metrics(fsdp_run, tmp_path, monkeypatch):
     """mode=eval reads fsdp's sharded checkpoint whole: one process without a process group reports
     the metrics that 2 fsdp ranks validated at the same step."""
+    monkeypatch.chdir(tmp_path)
     data = [arg for arg in TINY if arg.startswith("data")]
-    check(launch(["mode=eval", "strategy=single", *data, f"resume={step_dir(fsdp_run, 16)}"], tmp_path))
-    (run_dir,) = run_dirs(tmp_path)
-    evaluated, training = json.loads((run_dir / "eval.json").read_text()), load_results(fsdp_run)
+    evaluated = run_in_this_process(["mode=eval", "strategy=single", *data, f"resume={step_dir(fsdp_run, 16)}"], tmp_path / "eval")
+    training = load_results(fsdp_run)
+    assert json.loads((tmp_path / "eval" / "eval.json").read_text()) == evaluated
     assert (evaluated["world_size"], evaluated["step"], evaluated["val_samples"]) == (1, 16, 37)
     assert evaluated["val_accuracy"] == training["val_accuracy"]
     assert evaluated["val_loss"] == pytest.approx(training["val_loss"], rel=1e-6)  # float32 sums over other batch groupings
+
+
+def test_a_sharded_checkpoint_whose_index_would_run_code_is_refused_and_never_run(fsdp_run, tmp_path, monkeypatch):
+    """DCP's index (.metadata) is a pickle that torch's reader loads unrestricted. Resume, mode=eval
+    and the export read it first with only the globals DCP writes there: an index that would call
+    os.system is refused before anything runs it, and so is one that marks a weight as a pickled
+    object (DCP loads those with weights_only=False)."""
+    marker = tmp_path / "marker"
+    evil = shutil.copytree(step_dir(fsdp_run, 16), tmp_path / "evil" / "step-00000016")
+    real_index = (evil / ".metadata").read_bytes()
+    (evil / ".metadata").write_bytes(pickle.dumps(_CreatesFileWhenUnpickled(marker)))
+    with pytest.raises(AttributeError):  # the payload is real: torch's own reader runs it, then finds an int
+        FileSystemReader(evil).read_metadata()
+    assert marker.exists()
+    marker.unlink()
+    with pytest.raises(CheckpointError, match="refused.*os.system|refused.*posix.system"):
+        load_checkpoint(evil)
+    with pytest.raises(CheckpointError, match="refused"):
+        export_model(evil)
+    monkeypatch.chdir(tmp_path)
+    data = [arg for arg in TINY if arg.startswith("data")]
+    for overrides in (["mode=eval", "strategy=single", *data], ["strategy=fsdp", "strategy.nproc_per_node=2", *TINY]):
+        line = config_error_in_this_process([*overrides, f"resume={evil}"], tmp_path / "run")
+        assert "refused" in line and str(evil) in line, line
+    assert not marker.exists()
+
+    index = pickle.loads(real_index)  # our own checkpoint's, as DCP wrote it
+    index.state_dict_metadata["model.features.0.weight"] = BytesStorageMetadata()
+    (evil / ".metadata").write_bytes(pickle.dumps(index))
+    with pytest.raises(CheckpointError, match=r"refused, it stores pickled objects.*\(model.features.0.weight\)"):
+        load_checkpoint(evil)
 
 
 # Accumulation and clipping: 2 ranks x 2 micro-batches of 4 under fsdp, against one process at the
@@ -193,20 +251,88 @@ ACCUMULATED = [*TINY, "model.norm=group", "trainer.max_epochs=1", "trainer.gradi
 
 
 def test_accumulation_and_clipping_under_fsdp_train_as_one_process(tmp_path):
-    runs = {"fsdp": tmp_path / "fsdp", "single": tmp_path / "single"}
-    for cwd in runs.values():
-        cwd.mkdir()
-    check(launch(["strategy=fsdp", *ACCUMULATED, "data.batch_size=4", "trainer.accumulate_grad_batches=2"], runs["fsdp"], nproc=2))
-    check(launch(["strategy=single", *ACCUMULATED, "data.batch_size=16"], runs["single"]))
-    fsdp = full_state(step_dir(runs["fsdp"], 8), tmp_path)["model"]
-    single = load_last(runs["single"])["model"]
+    (tmp_path / "fsdp").mkdir()
+    check(launch(["strategy=fsdp", *ACCUMULATED, "data.batch_size=4", "trainer.accumulate_grad_batches=2"], tmp_path / "fsdp", nproc=2))
+    runs = {"fsdp": run_dirs(tmp_path / "fsdp")[0], "single": tmp_path / "single"}
+    run_in_this_process(["strategy=single", *ACCUMULATED, "data.batch_size=16"], runs["single"])
+    fsdp = full_state(step_dir(tmp_path / "fsdp", 8), tmp_path)["model"]
+    single = last_checkpoint(runs["single"])["model"]
     assert fsdp.keys() == single.keys()
     for key in single:
         torch.testing.assert_close(fsdp[key], single[key], msg=lambda m, key=key: f"{key}: {m}")
     norms = {}
-    for name, cwd in runs.items():
-        accumulator = EventAccumulator(str(run_dirs(cwd)[0]))
+    for name, run_dir in runs.items():
+        accumulator = EventAccumulator(str(run_dir))
         accumulator.Reload()
         norms[name] = [(event.step, event.value) for event in accumulator.Scalars("train/grad_norm")]
     assert [step for step, _ in norms["fsdp"]] == [2, 4, 6, 8] and all(norm > 0.05 for _, norm in norms["fsdp"])
     assert [norm for _, norm in norms["fsdp"]] == pytest.approx([norm for _, norm in norms["single"]], rel=1e-4)
+
+
+# Both tasks: LEARN (tests/test_segmentation_runs.py: 2 ranks x batch 8 with SyncBN, Adam, random
+# resize, crop and flip) under fsdp to its first checkpoint, against the DDP run's at the same step.
+SEG_FSDP = ["strategy=fsdp", *[arg for arg in LEARN if arg != "strategy=ddp"], "trainer.max_steps=5"]
+
+
+def test_segmentation_under_fsdp_trains_as_ddp_and_logs_its_image_grid(learned, tmp_path):
+    """small_segnet's blocks are sharded; its first 5 updates end where DDP's did (float noise), the
+    sharded model's validation counts all 37 images once, and the image grid, whose forwards every
+    rank runs under fsdp, reaches TensorBoard."""
+    check(launch(SEG_FSDP, tmp_path, nproc=2, timeout=300))
+    fsdp = full_state(step_dir(tmp_path, 5), tmp_path)["model"]
+    ddp = load_checkpoint(learned[0] / "checkpoints" / "step-00000005.pt")["model"]
+    assert fsdp.keys() == ddp.keys()
+    for key in ddp:
+        torch.testing.assert_close(fsdp[key], ddp[key], msg=lambda m, key=key: f"{key}: {m}")
+    results = load_results(tmp_path)
+    assert (results["strategy"], results["steps"], results["val_samples"]) == ("fsdp", 5, 37)
+    accumulator = EventAccumulator(str(run_dirs(tmp_path)[0]), size_guidance={"images": 0})
+    accumulator.Reload()
+    (grid,) = accumulator.Images("val/images")
+    assert (grid.step, grid.height, grid.width) == (5, *GRID)
+
+
+def tensors(state) -> list[torch.Tensor]:
+    """Every tensor in a nested state (a model's and an optimizer's)."""
+    if isinstance(state, torch.Tensor):
+        return [state]
+    return [tensor for value in (state.values() if isinstance(state, dict) else []) for tensor in tensors(value)]
+
+
+# Mixed precision in a sweep: FSDP_RUN's training (without its sample records) in bf16 and in fp16,
+# the two jobs of one torchrun multirun.
+def run_precision_sweep(cwd: Path) -> dict:
+    result = launch(["-m", *[arg for arg in FSDP_RUN if not arg.startswith("fault.")], "precision=bf16,16"], cwd, nproc=2)
+    check(result)
+    return as_json(result)
+
+
+@pytest.fixture
+def precision_sweep(tmp_path_factory):
+    return shared_sweep("fsdp_precision_sweep", run_precision_sweep, tmp_path_factory)
+
+
+def test_a_sweep_trains_fsdp_in_bf16_and_fp16_with_float32_master_weights(precision_sweep, fsdp_run, tmp_path):
+    """Each job its own run dir and summary row. FSDP's MixedPrecisionPolicy computes in the low
+    precision (the weights differ from the float32 run's) while the shards the optimizer steps and
+    the checkpoint holds stay float32 and close to the float32 run's; fp16's GradScaler state is saved."""
+    cwd, sweep_dir, _ = precision_sweep
+    assert_one_run_per_job_dir(cwd, sweep_dir, {"train_rank0.log", "train_rank1.log"})
+    rows = summary_rows(sweep_dir)
+    assert [(row["status"], row["overrides"].split()[-1]) for row in rows] == [("ok", "precision=bf16"), ("ok", "precision=16")]
+    (tmp_path / "fp32").mkdir()
+    fp32 = full_state(step_dir(fsdp_run, 16), tmp_path / "fp32")
+    for job_dir, precision in zip(job_dirs(sweep_dir), ("bf16", "16"), strict=True):
+        results = results_of(job_dir)
+        assert (results["precision"], results["strategy"], results["steps"], results["val_samples"]) == (precision, "fsdp", 16, 37)
+        checkpoint = job_dir / "checkpoints" / "step-00000016"
+        (tmp_path / precision).mkdir()
+        low = full_state(checkpoint, tmp_path / precision)
+        assert {tensor.dtype for tensor in tensors(low) if tensor.is_floating_point()} == {torch.float32}, precision
+        weights = [key for key, tensor in fp32["model"].items() if tensor.is_floating_point()]
+        assert any(not torch.equal(low["model"][key], fp32["model"][key]) for key in weights), precision
+        for key in weights:
+            torch.testing.assert_close(low["model"][key], fp32["model"][key], rtol=0, atol=0.01,
+                                       msg=lambda m, key=key: f"{precision} {key}: {m}")
+        scaler = load_checkpoint(checkpoint)["scaler"]
+        assert (scaler is not None) == (precision == "16"), precision
