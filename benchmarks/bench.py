@@ -54,6 +54,7 @@ class Contender:
     arguments: list[str]  # train.py overrides, or plain_ddp.py's flags when name == "plain"
     throughput: list[float] = field(default_factory=list)
     wall: list[float] = field(default_factory=list)
+    state_bytes: list[int] = field(default_factory=list)  # rank 0's parameters, gradients and optimizer state
 
 
 def contenders(settings: Settings, quick: bool) -> list[Contender]:
@@ -62,6 +63,7 @@ def contenders(settings: Settings, quick: bool) -> list[Contender]:
         "ddp syncbn": (2, ["strategy=ddp", "syncbn=true"]),
         "ddp bf16": (2, ["strategy=ddp", "precision=bf16"]),
         "ddp channels_last": (2, ["strategy=ddp", "channels_last=true"]),
+        "fsdp": (2, ["strategy=fsdp"]),
         "single": (1, ["strategy=single"]),
         "dp": (1, ["strategy=dp"]),
     }
@@ -90,7 +92,7 @@ def command(contender: Contender, settings: Settings, run_dir: Path) -> list[str
     overrides = [*contender.arguments, "data=synthetic", f"data.num_samples={samples}", f"data.num_val_samples={batch}",
                  f"data.image_size={image_size}", f"data.batch_size={batch}", "optim=adam", "trainer.max_epochs=1",
                  f"trainer.warmup_steps={settings.warmup}", "checkpoint.every_n_steps=0", f"hydra.run.dir={run_dir}"]
-    if contender.name.startswith(("ddp", "gpu ddp")):
+    if contender.name.startswith(("ddp", "fsdp", "gpu ddp")):
         return [*launcher, str(REPO / "train.py"), *overrides]
     return [sys.executable, str(REPO / "train.py"), *overrides]
 
@@ -106,7 +108,9 @@ def run_once(contender: Contender, settings: Settings, scratch: Path) -> None:
     if contender.name == "plain":
         throughput = json.loads(result.stdout.strip().splitlines()[-1])["samples_per_s"]
     else:
-        throughput = json.loads((run_dir / "results.json").read_text())["samples_per_s"]
+        results = json.loads((run_dir / "results.json").read_text())
+        throughput = results["samples_per_s"]
+        contender.state_bytes.append(sum(results[f"{kind}_bytes_per_rank"][0] for kind in ("parameter", "gradient", "optimizer_state")))
     contender.throughput.append(throughput)
     contender.wall.append(wall)
 
@@ -138,9 +142,12 @@ def ratios(found: dict[tuple[str, str], Contender]) -> list[tuple[str, float, st
         if ("single", model) in found:
             rows.append((f"weak scaling: per-rank throughput, 2 ranks / 1 rank, {model}",
                          throughput("ddp", model) / 2 / throughput("single", model), ">= 0.9"))
-        for name, what in (("ddp bf16", "bf16 / fp32"), ("ddp channels_last", "channels_last / NCHW")):
+        for name, what in (("ddp bf16", "bf16 / fp32"), ("ddp channels_last", "channels_last / NCHW"), ("fsdp", "fsdp / ddp")):
             if (name, model) in found:
                 rows.append((f"{what}, throughput, {model}, 2 ranks", throughput(name, model) / throughput("ddp", model), "for the record"))
+        if ("fsdp", model) in found:
+            rows.append((f"fsdp / ddp, rank 0's bytes of parameters, gradients and optimizer state, {model}, 2 ranks",
+                         median(found["fsdp", model].state_bytes) / median(found["ddp", model].state_bytes), "<= 0.55"))
     if ("gpu ddp x1", "resnet50") in found:
         rows.append(("GPU: DDP at world size 1 / single, resnet50", throughput("gpu ddp x1", "resnet50") / throughput("gpu single", "resnet50"), ">= 0.97"))
     return rows

@@ -141,6 +141,10 @@ def load_checkpoint(path: Path) -> dict[str, Any]:
         raise CheckpointError(f"{path}: unreadable ({str(error).strip().splitlines()[0]})") from None
 
 
+class _ForbiddenGlobal(pickle.UnpicklingError):
+    pass
+
+
 class _IndexUnpickler(pickle.Unpickler):
     """Unpickles DCP's index with only the globals DCP writes there: its metadata classes, torch's
     dtypes, sizes and layouts, and paths. Anything else (os.system, say) is refused, never called."""
@@ -156,7 +160,7 @@ class _IndexUnpickler(pickle.Unpickler):
             return getattr(torch, name)
         if (module, name) in self.ALLOWED:
             return super().find_class(module, name)
-        raise pickle.UnpicklingError(f"{module}.{name} is not among what a DCP index holds")
+        raise _ForbiddenGlobal(f"{module}.{name}")
 
 
 def check_sharded_index(path: Path) -> None:
@@ -166,8 +170,10 @@ def check_sharded_index(path: Path) -> None:
     try:
         with open(index, "rb") as file:
             entries = _IndexUnpickler(file).load().state_dict_metadata
+    except _ForbiddenGlobal as error:
+        raise CheckpointError(f"{index}: refused, it names {error}, which a DCP index doesn't hold and loading would run") from None
     except (pickle.UnpicklingError, AttributeError, EOFError, OSError, ValueError, TypeError) as error:
-        raise CheckpointError(f"{index}: refused, it holds pickled objects that a DCP index doesn't ({error})") from None
+        raise CheckpointError(f"{index}: unreadable sharded checkpoint index ({str(error).strip() or type(error).__name__})") from None
     objects = [key for key, entry in entries.items() if not isinstance(entry, dcp_metadata.TensorStorageMetadata)]
     if objects:
         raise CheckpointError(f"{index}: refused, it stores pickled objects, which loading would run ({', '.join(objects)})")

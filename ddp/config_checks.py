@@ -190,3 +190,5 @@ def _check_fsdp_settings(cfg: Any) -> None:
     _check(cfg.ema.decay is None, f"ema.decay={cfg.ema.decay}: the EMA keeps a full copy of the model, which "
                                   "strategy=fsdp doesn't shard yet; use strategy=ddp, or ema.decay=null")
     _check(not cfg.compile, "compile=true: strategy=fsdp doesn't compile its sharded blocks yet; use compile=false, or strategy=ddp")
+    _check(not cfg.channels_last, "channels_last=true: FSDP2 shards contiguous parameters only, and channels_last makes the "
+                                  "convolution weights non-contiguous; use channels_last=false with strategy=fsdp, or strategy=ddp")

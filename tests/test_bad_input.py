@@ -6,6 +6,7 @@ line `error: <message>` on stderr and exit 1; Hydra's composition errors are Hyd
 """
 
 import os
+import pickle
 import socket
 import subprocess
 from pathlib import Path
@@ -14,6 +15,7 @@ import pytest
 import torch
 from hydra import compose, initialize_config_dir
 from hydra.errors import ConfigCompositionException
+from torch.distributed.checkpoint.metadata import Metadata
 
 from conftest import REPO, TORCHRUN, TRAIN, config_error_in_this_process, launch
 
@@ -104,14 +106,18 @@ def _checkpoint_file(tmp: Path) -> Path:
     return path
 
 
-def _sharded_checkpoint(tmp: Path) -> Path:
-    """What resume sees of one: DCP's index (here empty) and rank 0's state; beside tmp, whose *.pt files
-    would be checkpoints the run wrote."""
+def _sharded_checkpoint(tmp: Path, index: bytes = pickle.dumps(Metadata(state_dict_metadata={}))) -> Path:
+    """What resume sees of one: DCP's index (of no tensors) and rank 0's state; beside tmp, whose *.pt
+    files would be checkpoints the run wrote."""
     path = tmp.parent / f"{tmp.name}-sharded" / "step-00000001"
     path.mkdir(parents=True)
-    (path / ".metadata").touch()
+    (path / ".metadata").write_bytes(index)
     torch.save({"sharded": True, "global_step": 1}, path / "state.pt")
     return path
+
+
+def _truncated_sharded_checkpoint(tmp: Path) -> Path:
+    return _sharded_checkpoint(tmp, index=b"")
 
 
 FSDP = ["strategy=fsdp", "strategy.nproc_per_node=2"]  # validated in this process, as the launcher does
@@ -255,6 +261,7 @@ OUR_ERRORS = {
     ),
     "ema_with_fsdp": (QUICK + [*FSDP, "ema.decay=0.9"], "ema.decay=0.9", "strategy=fsdp", None),
     "compile_with_fsdp": (QUICK + [*FSDP, "compile=true"], "compile=true", "strategy=fsdp", None),
+    "channels_last_with_fsdp": (QUICK + [*FSDP, "channels_last=true"], "channels_last=true", "strategy=fsdp", None),
     "fsdp_block_type_the_model_lacks": (
         QUICK + [*FSDP, "strategy.block_types=[Bottleneck]"], "strategy.block_types=['Bottleneck']", "pick from", None,
     ),
@@ -266,7 +273,7 @@ OUR_ERRORS = {
         _sharded_checkpoint,
     ),
     "eval_of_an_unreadable_sharded_checkpoint": (
-        QUICK + ["mode=eval", "resume={dir}"], "resume", "unreadable sharded checkpoint", _sharded_checkpoint,
+        QUICK + ["mode=eval", "resume={dir}"], "resume", "unreadable sharded checkpoint", _truncated_sharded_checkpoint,
     ),
     "repeated_device": (QUICK + ["devices=[0,0]"], "devices=[0, 0]", "distinct GPU indices", None),
     "negative_device": (QUICK + ["devices=[-1]"], "devices=[-1]", "distinct GPU indices", None),

@@ -49,7 +49,7 @@ def test_quick_bench_writes_the_table_the_ratios_and_a_plot(tmp_path):
 
 def test_every_contender_of_the_full_bench_composes_and_its_ratios_come_out():
     """`make bench` takes 21 minutes, so no test runs it whole: each train.py command it would run (syncbn=true,
-    bf16, channels_last and dp too) composes and passes train.py's checks, and its report, from made-up
+    bf16, channels_last, dp and fsdp too) composes and passes train.py's checks, and its report, from made-up
     measurements, has every ratio row with the ratio of those numbers (syncbn's: ddp's throughput over ddp
     syncbn's)."""
     bench = load_bench()
@@ -60,8 +60,8 @@ def test_every_contender_of_the_full_bench_composes_and_its_ratios_come_out():
             argv = bench.command(contender, bench.FULL, Path("run"))
             overrides = [arg for arg in argv[argv.index(str(REPO / "train.py")) + 1:] if not arg.startswith("hydra.")]
             validate(compose("config", overrides=overrides), launched=contender.processes > 1, world_size=contender.processes)
-    for index, contender in enumerate(chosen):  # distinct throughputs: 100, 110, 120, ...
-        contender.throughput, contender.wall = [100.0 + 10 * index], [10.0 + index]
+    for index, contender in enumerate(chosen):  # distinct throughputs: 100, 110, 120, ...; bytes 1000, 1100, ...
+        contender.throughput, contender.wall, contender.state_bytes = [100.0 + 10 * index], [10.0 + index], [1000 + 100 * index]
     found = {(c.name, c.model): c for c in chosen}
     table = bench.report(chosen, bench.FULL, quick=False)
     rows = dict(re.findall(r"^\| ([^|]+) \| (\d+\.\d{3}) \|", table, re.M))
@@ -76,6 +76,9 @@ def test_every_contender_of_the_full_bench_composes_and_its_ratios_come_out():
             f"weak scaling: per-rank throughput, 2 ranks / 1 rank, {model}": throughput("ddp", model) / 2 / throughput("single", model),
             f"bf16 / fp32, throughput, {model}, 2 ranks": throughput("ddp bf16", model) / throughput("ddp", model),
             f"channels_last / NCHW, throughput, {model}, 2 ranks": throughput("ddp channels_last", model) / throughput("ddp", model),
+            f"fsdp / ddp, throughput, {model}, 2 ranks": throughput("fsdp", model) / throughput("ddp", model),
+            f"fsdp / ddp, rank 0's bytes of parameters, gradients and optimizer state, {model}, 2 ranks":
+                found["fsdp", model].state_bytes[0] / found["ddp", model].state_bytes[0],
         }
         for what, ratio in expected.items():
             assert float(rows[what]) == pytest.approx(ratio, abs=5e-4), what

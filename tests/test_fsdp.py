@@ -226,7 +226,7 @@ def test_a_sharded_checkpoint_whose_index_would_run_code_is_refused_and_never_ru
         FileSystemReader(evil).read_metadata()
     assert marker.exists()
     marker.unlink()
-    with pytest.raises(CheckpointError, match="refused.*os.system|refused.*posix.system"):
+    with pytest.raises(CheckpointError, match=r"refused, it names (os|posix)\.system"):
         load_checkpoint(evil)
     with pytest.raises(CheckpointError, match="refused"):
         export_model(evil)

@@ -237,6 +237,39 @@ def check_fp16_kill_and_resume_is_exact(scratch: Path) -> str:
             "and CUDA RNG states bit-identical")
 
 
+def check_fsdp_nccl_bf16_kill_and_resume_is_exact(scratch: Path) -> str:
+    """strategy=fsdp at world size 1 over nccl in bf16 (FSDP's MixedPrecisionPolicy), with SyncBN and
+    clipping: sharded (DCP) checkpoints of a CUDA model, a kill at step 7 and torchrun's restart end
+    bit-identical to an uninterrupted run; the last checkpoint exports to one float32 file."""
+    exact = ["strategy=fsdp", "backend=nccl", "syncbn=true", *TINY, "data.num_samples=128", "data.batch_size=8",
+             "data.augment=true", "data.num_workers=2", "precision=bf16", "trainer.gradient_clip_norm=1.0",
+             "trainer.max_epochs=2", "checkpoint.every_n_steps=5", "deterministic=true"]
+    launch(exact, scratch / "fsdp_uninterrupted", nproc=1)
+    launch([*exact, "fault.kill_rank=0", "fault.at_step=7"], scratch / "fsdp_killed", nproc=1, max_restarts=1)
+    log = (run_dir(scratch / "fsdp_killed") / "train_rank0.log").read_text()
+    assert "backend=nccl" in log and "precision=bf16" in log, "not fsdp in bf16 over nccl"
+    assert "resumed from" in log and "at epoch 0, batch 5, step 5" in log, "the restarted run did not resume from step 5"
+    from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
+
+    states = {}
+    for name in ("fsdp_killed", "fsdp_uninterrupted"):
+        step = run_dir(scratch / name) / "checkpoints" / "step-00000032"
+        dcp_to_torch_save(step, scratch / f"{name}.pt")
+        states[name] = torch.load(scratch / f"{name}.pt", weights_only=True) | {
+            key: value for key, value in torch.load(step / "state.pt", weights_only=True).items() if key in ("ranks", "global_step")}
+    differences = tensor_differences(states["fsdp_killed"], states["fsdp_uninterrupted"])
+    assert not differences, f"{len(differences)} differ: " + "; ".join(differences[:8])
+    step = run_dir(scratch / "fsdp_killed") / "checkpoints" / "step-00000032"
+    out = subprocess.run([sys.executable, "-m", "ddp.export", str(step)], cwd=REPO, capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr[-2000:]
+    exported = torch.load(step / "model.pt", weights_only=True)
+    dtypes = sorted({str(t.dtype) for t in exported.values() if t.is_floating_point()})
+    assert dtypes == ["torch.float32"], dtypes
+    found = results(scratch / "fsdp_killed")
+    return (f"fsdp x1 nccl bf16: kill at step 7, resume from step 5: model, optimizer and RNG states bit-identical; "
+            f"exported {len(exported)} tensors ({dtypes[0]}); val_accuracy={found['val_accuracy']:.4f}")
+
+
 def check_checkpoint_loads_on_a_cpu_only_host(scratch: Path) -> str:
     """The single run's checkpoint: its weights and SGD momentum buffers lived on cuda:0."""
     path = run_dir(scratch / "single") / "checkpoints" / "last.pt"
@@ -295,6 +328,7 @@ CHECKS = [
     check_dataparallel_on_one_gpu,
     check_kill_and_resume_is_exact,
     check_fp16_kill_and_resume_is_exact,
+    check_fsdp_nccl_bf16_kill_and_resume_is_exact,
     check_checkpoint_loads_on_a_cpu_only_host,
     check_peak_memory_resets_between_multirun_jobs,
     check_devices_restrict_the_visible_gpus,
