@@ -29,7 +29,7 @@ from models.weights import load_weights
 from test_elastic import records
 from test_fault_tolerance import _CreatesFileWhenUnpickled, assert_same_state, torchrun
 from test_segmentation_runs import GRID, LEARN, learned  # noqa: F401, F811 (learned: a fixture)
-from test_sweeps import assert_one_run_per_job_dir, job_dirs, shared_sweep, summary_rows
+from test_sweeps import assert_one_run_per_job_dir, job_dirs, shared_sweep, summary_rows, the_sweep_dir
 
 # DDP_RUN's training (conftest: 2 ranks x batch 8 with SyncBN, 16 steps) under fsdp, saving every 5
 # steps (the last 3 kept: 10, 15, 16), each rank recording the samples it trains.
@@ -124,22 +124,33 @@ def test_killed_rank_resumes_from_the_sharded_checkpoint_bit_identical(fsdp_run,
 
 
 @pytest.mark.parametrize("world_size", [1, 3])
-def test_resume_at_another_world_size_trains_every_sample_once(fsdp_run, tmp_path, world_size):
+def test_resume_at_another_world_size_trains_every_sample_once(fsdp_run, tmp_path, world_size, monkeypatch):
     """Saved by 2 ranks at step 10 (epoch 1, 2 batches in), resumed by 1 or 3: DCP reshards the model
     and optimizer, and the rest of epoch 1 holds exactly the samples the checkpoint hadn't trained. The
-    resumed run's best validation is kept as best/ (checkpoint.keep_best=1, the default)."""
-    result = launch(["strategy=fsdp", "syncbn=true", *TINY, f"resume={step_dir(fsdp_run, 10)}",
-                     "fault.record_samples_dir=resumed"], tmp_path, nproc=world_size)
+    resumed run's best validation is kept as best/ (checkpoint.keep_best=1, the default). At 3 ranks
+    the launch is a multirun whose second job evaluates the same checkpoint (mode=eval under fsdp):
+    it reports exactly what one process evaluating it reports."""
+    checkpoint = step_dir(fsdp_run, 10)
+    args = ["strategy=fsdp", "syncbn=true", *TINY, f"resume={checkpoint}", "fault.record_samples_dir=resumed"]
+    result = launch(["-m", *args, "mode=train,eval"] if world_size == 3 else args, tmp_path, nproc=world_size)
     check(result)
     assert f"checkpoint has world_size=2, this run {world_size}" in result.stdout
     kept = [i for r in records(fsdp_run / "samples", attempt=0) if r["epoch"] == 1 and r["step"] <= 10 for i in r["ids"]]
     rest = [i for r in records(tmp_path / "resumed", attempt=0) if r["epoch"] == 1 for i in r["ids"]]
     assert len(kept) == 2 * 16 and sorted(kept + rest) == list(range(SAMPLES))
-    (run_dir,) = run_dirs(tmp_path)
-    results = json.loads((run_dir / "results.json").read_text())
+    run_dir = job_dirs(the_sweep_dir(tmp_path))[0] if world_size == 3 else run_dirs(tmp_path)[0]
+    results = results_of(run_dir)
     assert results["val_samples"] == 37
     best = load_checkpoint(run_dir / "checkpoints" / "best")
     assert (best["global_step"], best["world_size"]) == (results["best_step"], world_size)
+    if world_size == 3:
+        evaluated = json.loads((job_dirs(the_sweep_dir(tmp_path))[1] / "eval.json").read_text())
+        monkeypatch.chdir(tmp_path)
+        data = [arg for arg in TINY if arg.startswith("data")]
+        one_process = run_in_this_process(["mode=eval", "strategy=single", *data, f"resume={checkpoint}"], tmp_path / "eval")
+        assert (evaluated["strategy"], evaluated["world_size"], evaluated["step"], evaluated["val_samples"]) == ("fsdp", 3, 10, 37)
+        assert evaluated["val_accuracy"] == one_process["val_accuracy"]
+        assert evaluated["val_loss"] == pytest.approx(one_process["val_loss"], rel=1e-6)
 
 
 def test_every_rank_starts_from_the_same_weights_and_bf16_keeps_batchnorm_in_float32(tmp_path):
