@@ -11,7 +11,6 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from torch.distributed.checkpoint import metadata as dcp_metadata
 
 log = logging.getLogger(__name__)
 
@@ -154,6 +153,8 @@ class _IndexUnpickler(pickle.Unpickler):
                ("pathlib", "Path"), ("pathlib", "PosixPath"), ("pathlib", "WindowsPath"), ("pathlib", "PurePosixPath")}
 
     def find_class(self, module: str, name: str):
+        from torch.distributed.checkpoint import metadata as dcp_metadata  # DCP is imported where it's used (ddp/fsdp.py)
+
         if module == dcp_metadata.__name__ and isinstance(getattr(dcp_metadata, name, None), type):
             return getattr(dcp_metadata, name)
         if module == "torch" and isinstance(getattr(torch, name, None), torch.dtype):
@@ -166,6 +167,8 @@ class _IndexUnpickler(pickle.Unpickler):
 def check_sharded_index(path: Path) -> None:
     """Refuse a sharded checkpoint whose index would run code when torch's reader unpickles it, or that
     points at a pickled object (DCP loads those with weights_only=False): ours hold tensors only."""
+    from torch.distributed.checkpoint import metadata as dcp_metadata
+
     index = path / SHARDED_INDEX
     try:
         with open(index, "rb") as file:

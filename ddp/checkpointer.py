@@ -12,7 +12,6 @@ from ddp.env import DistEnv
 from ddp.fsdp import is_sharded
 from ddp.process_group import broadcast_buffers_from_rank_zero
 from ddp.resume import Position, capture_rank_state, checkpoint_state, gather_rank_states, restore_rank_state
-from ddp.sharded_checkpoint import save_sharded_checkpoint
 
 
 class Checkpointer:
@@ -51,6 +50,8 @@ class Checkpointer:
         self.update.check_finite(position.global_step, self.raw_model)
         rank_states = gather_rank_states(capture_rank_state(self.loader_generator, position.epoch_totals, self.cuda_devices))
         if is_sharded(self.raw_model):
+            from ddp.sharded_checkpoint import save_sharded_checkpoint  # DCP, imported where it's used (ddp/fsdp.py)
+
             # DCP writes one rank's copy of each unsharded tensor: make it rank 0's BatchNorm statistics, as a file holds
             broadcast_buffers_from_rank_zero(self.raw_model)
             state = self.state(position, rank_states, sharded=True) if self.env.is_main else {}

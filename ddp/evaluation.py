@@ -22,7 +22,6 @@ from ddp.loaders import build_val_loader
 from ddp.process_group import all_reduce_max, all_reduce_sum, broadcast_buffers_from_rank_zero, process_group
 from ddp.rank_zero import write_json
 from ddp.resume import find_resume_checkpoint, load_model_state
-from ddp.sharded_checkpoint import full_model_state
 from ddp.wrap import wrap_model
 
 log = logging.getLogger("train")  # the run's own console lines, under the script's name
@@ -100,10 +99,14 @@ def evaluate_checkpoint(cfg: DictConfig, env: DistEnv, backend: str, device: tor
     if dataset is None:
         raise ConfigError(f"data.split=test: this dataset ({cfg.data._target_}) has no test split; use data.split=val")
     path, checkpoint = find_resume_checkpoint(cfg.resume, run_dir, restarted=False)
-    try:  # a sharded checkpoint (strategy=fsdp's) reads back whole, so any strategy and world size evaluates it
-        state = full_model_state(path) if checkpoint.get("sharded") else checkpoint["model"]
-    except CheckpointError as error:
-        raise ConfigError(f"resume={cfg.resume}: {error}") from None
+    state = checkpoint.get("model")
+    if checkpoint.get("sharded"):  # strategy=fsdp's reads back whole, so any strategy and world size evaluates it
+        from ddp.sharded_checkpoint import full_model_state  # DCP, imported where it's used (ddp/fsdp.py)
+
+        try:
+            state = full_model_state(path)
+        except CheckpointError as error:
+            raise ConfigError(f"resume={cfg.resume}: {error}") from None
     model = build_model({**checkpoint["config"]["model"], "weights_path": None}, splits.num_classes, splits.in_channels)
     check_model_accepts(model, dataset[0][0])
     load_model_state(model, state, path)

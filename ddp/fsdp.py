@@ -10,19 +10,21 @@ weights (what the optimizer steps and checkpoints hold), a block's parameters ar
 computed in the low precision, and gradients are reduced in float32. BatchNorm layers are their own
 units that compute in float32 (low-precision batch statistics lose accuracy: torchtitan#674), and the
 model's output is float32, so the loss is computed as in precision=32.
+
+FSDP, DTensor and DCP are imported where a model is sharded or a sharded checkpoint is read, not when
+train.py starts: they cost every process about 2 CPU-s (sympy among them), and every DataLoader fork
+server that preloads train.py as much (ddp/loader_workers.py).
 """
 
 import logging
+import sys
 
 import torch
 import torch.distributed as dist
 from torch import nn
-from torch.distributed.device_mesh import init_device_mesh
-from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
 from torch.nn.modules.batchnorm import _BatchNorm
 
 from ddp.config import ConfigError
-from ddp.process_group import replicas_identical
 
 log = logging.getLogger(__name__)
 
@@ -64,6 +66,11 @@ def shard_model(model: nn.Module, strategy_cfg, device: torch.device, precision:
     FSDP doesn't broadcast rank 0's initial weights (pytorch#148756): each rank keeps its slice of its
     own. The same seed builds the same model everywhere; a rank-dependent init is refused here, before
     the shards would silently mix different models."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
+
+    from ddp.process_group import replicas_identical
+
     if not replicas_identical(model, include_buffers=True):
         raise RuntimeError("strategy=fsdp: the ranks built different initial weights, and each would keep its slice "
                            "of its own; the model's initialisation must not depend on the rank")
@@ -94,4 +101,13 @@ def shard_model(model: nn.Module, strategy_cfg, device: torch.device, precision:
 
 
 def is_sharded(model: nn.Module) -> bool:
-    return isinstance(model, FSDPModule)
+    """`model` is an FSDPModule; without importing FSDP, which only shard_model loads."""
+    fsdp = sys.modules.get("torch.distributed.fsdp")
+    return fsdp is not None and isinstance(model, fsdp.FSDPModule)
+
+
+def local_tensor(tensor: torch.Tensor) -> torch.Tensor:
+    """A DTensor's local part (a sharded parameter's shard; a reduced value's full value); a plain
+    tensor as is. Without importing DTensor, which only a sharded model loads."""
+    dtensor = sys.modules.get("torch.distributed.tensor")
+    return tensor.to_local() if dtensor is not None and isinstance(tensor, dtensor.DTensor) else tensor

@@ -9,10 +9,10 @@ from datetime import timedelta
 
 import torch
 import torch.distributed as dist
-from torch.distributed.tensor import DTensor
 
 from ddp.config import ConfigError
 from ddp.env import DistEnv
+from ddp.fsdp import local_tensor
 
 log = logging.getLogger(__name__)
 
@@ -131,7 +131,7 @@ def replicas_identical(module: torch.nn.Module, include_buffers: bool) -> bool:
     if not (dist.is_available() and dist.is_initialized()):
         return True
     tensors = module.state_dict().values() if include_buffers else module.parameters()
-    tensors = [t for t in tensors if not isinstance(t, DTensor)]
+    tensors = [t for t in tensors if local_tensor(t) is t]  # not a DTensor
     if not tensors:
         return True  # the same on every rank: the same model, sharded
     # Two integers per tensor rather than the model itself: O(tensors) on the wire, and no

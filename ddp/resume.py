@@ -14,7 +14,6 @@ from ddp.checkpoint import CheckpointError, is_sharded_checkpoint, load_checkpoi
 from ddp.config import ConfigError
 from ddp.optimizer import resume_schedule
 from ddp.samplers import resume_point
-from ddp.sharded_checkpoint import load_sharded_state
 
 log = logging.getLogger(__name__)
 
@@ -106,6 +105,8 @@ def resume_training(resumed: tuple[Path, dict[str, Any]], update, base_lr: float
     A sharded checkpoint's model and optimizer states load here, into the sharded model (update.model)."""
     path, checkpoint = resumed
     if checkpoint.get("sharded"):
+        from ddp.sharded_checkpoint import load_sharded_state  # DCP, imported where it's used (ddp/fsdp.py)
+
         load_sharded_state(path, update.model, update.optimizer, checkpoint["optimizer_param_groups"])
     else:
         update.optimizer.load_state_dict(checkpoint["optimizer"])

@@ -7,13 +7,11 @@ import warnings
 import torch
 import torch.distributed as dist
 from torch import nn
-from torch.distributed.fsdp import FSDPModule
-from torch.distributed.fsdp.sharded_grad_scaler import ShardedGradScaler
-from torch.distributed.tensor import DTensor
 from torch.nn.parallel import DistributedDataParallel
 from torch.optim import lr_scheduler
 
 from ddp.ema import EMA
+from ddp.fsdp import is_sharded, local_tensor
 
 AUTOCAST_DTYPES = {"32": None, "bf16": torch.bfloat16, "16": torch.float16}
 
@@ -46,14 +44,19 @@ class UpdateStep:
         self.model, self.optimizer, self.scheduler, self.ema = model, optimizer, scheduler, ema
         self.task = task  # its train_batch and loss (tasks/__init__.py)
         self.device = device
-        sharded = isinstance(model, FSDPModule)
-        # FSDP's MixedPrecisionPolicy casts instead of autocast (ddp/fsdp.py); its fp16 scaler agrees
-        # across ranks on whether any rank's gradient shards held an inf
+        sharded = is_sharded(model)
+        # FSDP's MixedPrecisionPolicy casts instead of autocast (ddp/fsdp.py)
         self.autocast_dtype = None if sharded else AUTOCAST_DTYPES[precision]
-        scaler = ShardedGradScaler if sharded else torch.amp.GradScaler
-        self.scaler = scaler(device.type) if precision == "16" else None
-        if self.scaler and sharded:  # its found_inf is a 1-element tensor, which DTensor warns about at every unscale
+        self.scaler = None
+        if precision == "16" and sharded:
+            from torch.distributed.fsdp.sharded_grad_scaler import ShardedGradScaler
+
+            # agrees across ranks on whether any rank's gradient shards held an inf; its found_inf is
+            # a 1-element tensor, which DTensor warns about at every unscale
+            self.scaler = ShardedGradScaler(device.type)
             warnings.filterwarnings("ignore", message="Found a non-scalar tensor with numel=1 and ndim!=0")
+        elif precision == "16":
+            self.scaler = torch.amp.GradScaler(device.type)
         if self.scaler and scheduler:
             # the schedule steps on a skipped update too, by design (above); torch warns about it once
             warnings.filterwarnings("ignore", message=r"Detected call of `lr_scheduler.step\(\)` before `optimizer.step\(\)`")
@@ -76,7 +79,7 @@ class UpdateStep:
         images = images.contiguous(memory_format=self.memory_format)  # a transform may return another layout
         last = micro_index == group_size - 1
         accumulate_locally = not last and isinstance(self.model, DistributedDataParallel)
-        if isinstance(self.model, FSDPModule):
+        if is_sharded(self.model):
             self.model.set_requires_gradient_sync(last)
         with self.model.no_sync() if accumulate_locally else contextlib.nullcontext():
             with torch.autocast(self.device.type, dtype=self.autocast_dtype, enabled=self.autocast_dtype is not None):
@@ -94,7 +97,7 @@ class UpdateStep:
             if self.scaler:
                 self.scaler.unscale_(self.optimizer)
             parameters = [p for group in self.optimizer.param_groups for p in group["params"]]
-            self.grad_norm = _local(nn.utils.clip_grad_norm_(parameters, self.clip_norm))  # FSDP: a replicated DTensor
+            self.grad_norm = local_tensor(nn.utils.clip_grad_norm_(parameters, self.clip_norm))  # FSDP: a replicated DTensor
             if self.scaler is None:  # with fp16 an inf norm only makes the scaler skip this step
                 self.finite.mul_(torch.isfinite(self.grad_norm))
         if self.scaler:
@@ -148,14 +151,9 @@ class UpdateStep:
                 getattr(self, name).load_state_dict(state[name])
 
 
-def _local(tensor: torch.Tensor) -> torch.Tensor:
-    """A DTensor's local part (a sharded parameter's shard; a reduced value's full value); a plain tensor as is."""
-    return tensor.to_local() if isinstance(tensor, DTensor) else tensor
-
-
 def local_bytes(tensors) -> int:
     """The bytes of `tensors` on this rank (a DTensor's local shard only)."""
-    return sum(_local(t).numel() * t.element_size() for t in tensors)
+    return sum(local_tensor(t).numel() * t.element_size() for t in tensors)
 
 
 def _bare(model: nn.Module) -> nn.Module:
@@ -164,5 +162,5 @@ def _bare(model: nn.Module) -> nn.Module:
 
 def parameters_finite(model: nn.Module) -> torch.Tensor:
     """A device flag (int32 0/1): every parameter and buffer of `model` (this rank's shards, under FSDP) is finite."""
-    flags = [torch.isfinite(_local(t)).all() for t in model.state_dict().values() if t.is_floating_point()]
+    flags = [torch.isfinite(local_tensor(t)).all() for t in model.state_dict().values() if t.is_floating_point()]
     return torch.stack(flags).all().to(torch.int32) if flags else torch.ones((), dtype=torch.int32)

@@ -15,13 +15,13 @@ SegmentationTask (task=segmentation) puts these behind the task interface (tasks
 import math
 
 import torch
-from torch.distributed.fsdp import FSDPModule
 from torch.nn import functional as F
 
 from torchvision.utils import make_grid
 
 from data.segmentation_transforms import IGNORE_INDEX
 from ddp.config import ConfigError
+from ddp.fsdp import is_sharded
 
 HEADER = 2  # loss sum and image count, before the confusion matrix
 
@@ -155,7 +155,7 @@ class SegmentationTask:
         with black. Only where the writer writes (rank 0), except that every rank runs the forwards of a
         sharded model (strategy=fsdp), each of which is a collective."""
         count = min(self.num_images_logged, len(dataset))
-        if count == 0 or not (writer.active or isinstance(model, FSDPModule)):
+        if count == 0 or not (writer.active or is_sharded(model)):
             return
         rows = []
         with torch.random.fork_rng(devices=[]):  # loading a sample must not move the training run's RNG

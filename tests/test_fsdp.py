@@ -36,6 +36,7 @@ from test_sweeps import assert_one_run_per_job_dir, job_dirs, shared_sweep, summ
 FSDP_RUN = ["strategy=fsdp", "syncbn=true", *TINY, "checkpoint.keep_best=0", "checkpoint.every_n_steps=5",
             "fault.record_samples_dir=samples"]
 SAMPLES = 128
+INSTRUMENTED = REPO / "tests" / "workers" / "instrumented_train.py"
 
 
 def run_fsdp(cwd: Path) -> dict:
@@ -257,13 +258,23 @@ def test_a_sharded_checkpoint_whose_index_would_run_code_is_refused_and_never_ru
 
 # Accumulation and clipping: 2 ranks x 2 micro-batches of 4 under fsdp, against one process at the
 # global batch of 16. GroupNorm, so micro-batching doesn't change the forward; a clip norm below the
-# gradients' (train/grad_norm shows it), so every update is clipped.
+# gradients' (train/grad_norm shows it), so every update is clipped. small_cnn's 4 FSDP units: its
+# two convolutions, its linear layer, and the root (GroupNorm's parameters).
 ACCUMULATED = [*TINY, "model.norm=group", "trainer.max_epochs=1", "trainer.gradient_clip_norm=0.05"]
+FSDP_UNITS = 4
 
 
 def test_accumulation_and_clipping_under_fsdp_train_as_one_process(tmp_path):
+    """Gradients are reduce-scattered once per update, after its last micro-batch (each unit once;
+    counted from outside the product code by tests/workers/instrumented_train.py), and the run ends
+    with one process's weights and logged gradient norms."""
     (tmp_path / "fsdp").mkdir()
-    check(launch(["strategy=fsdp", *ACCUMULATED, "data.batch_size=4", "trainer.accumulate_grad_batches=2"], tmp_path / "fsdp", nproc=2))
+    check(launch(["strategy=fsdp", *ACCUMULATED, "data.batch_size=4", "trainer.accumulate_grad_batches=2"], tmp_path / "fsdp",
+                 nproc=2, env={"WATCH_DIR": str(tmp_path), "WATCH_TENSORS": "0"}, script=INSTRUMENTED))
+    for rank in (0, 1):
+        syncs = json.loads((tmp_path / f"syncs_rank{rank}.json").read_text())
+        scatters = [steps_done for steps_done, name in syncs if name == "reduce_scatter_single"]
+        assert scatters == [update for update in range(8) for _ in range(FSDP_UNITS)], scatters
     runs = {"fsdp": run_dirs(tmp_path / "fsdp")[0], "single": tmp_path / "single"}
     run_in_this_process(["strategy=single", *ACCUMULATED, "data.batch_size=16"], runs["single"])
     fsdp = full_state(step_dir(tmp_path / "fsdp", 8), tmp_path)["model"]

@@ -1,7 +1,8 @@
 """train.py's own main under torchrun, watched from outside the product code. Writes to $WATCH_DIR:
 
-- `syncs_rank<R>.json`: every collective and every tensor-to-host read (`.item()`, `.tolist()`), tagged
-  with the number of optimizer steps done when it happened (a global optimizer-step hook counts them);
+- `syncs_rank<R>.json`: every collective (FSDP's gradient reduce-scatters, `reduce_scatter_single`,
+  too) and every tensor-to-host read (`.item()`, `.tolist()`), tagged with the number of optimizer
+  steps done when it happened (a global optimizer-step hook counts them);
 - `host_reads_rank<R>.json`: [steps done, kind, where] for every host read of a tensor's value however
   it is made (`bool()`, `int()`, `float()` and torch's own reads too) and every copy between devices,
   seen by workers/host_reads.py's dispatch mode;
@@ -11,7 +12,7 @@
 - `dynamo_rank<R>.json`: torch._dynamo's counters (`stats`, `frames`) as the run ends;
 - `no_sync_rank<R>.txt`: how many times DDP's no_sync() was entered (gradient accumulation);
 - `state_rank<R>.pt`: the bare model's state_dict as this rank ends training (taken where train.py
-  checks its replicas), and `nudged_rank<R>.txt`: what that check answers for a copy in which rank 1's
+  checks its replicas; not for a sharded model), and `nudged_rank<R>.txt`: what that check answers for a copy in which rank 1's
   first weight differs by one ulp.
 
 WATCH_TENSORS=0 leaves out the dispatch mode and the convolution hooks: torch.compile compiles
@@ -34,6 +35,7 @@ from torch.optim.optimizer import register_optimizer_step_post_hook, register_op
 
 TRAIN = Path(__file__).resolve().parents[2] / "train.py"
 sys.path.insert(0, str(TRAIN.parent))
+import ddp.fsdp  # noqa: E402
 import ddp.process_group  # noqa: E402
 from host_reads import HostReads  # noqa: E402  (this script's own folder)
 
@@ -59,7 +61,7 @@ def _recorded(name, function):
 
 
 for name in ("all_reduce", "broadcast", "all_gather", "all_gather_object", "all_gather_into_tensor", "barrier",
-             "reduce", "reduce_scatter", "gather", "scatter", "broadcast_object_list"):
+             "reduce", "reduce_scatter", "gather", "scatter", "broadcast_object_list", "reduce_scatter_single"):
     setattr(dist, name, _recorded(name, getattr(dist, name)))
 for name in ("item", "tolist"):
     setattr(torch.Tensor, name, _recorded(name, getattr(torch.Tensor, name)))
@@ -68,7 +70,7 @@ register_optimizer_step_post_hook(_count_steps)
 
 def _record_applied_grad_norm(optimizer, args, kwargs) -> None:
     grads = [p.grad for group in optimizer.param_groups for p in group["params"] if p.grad is not None]
-    applied_grad_norms.append(nn.utils.get_total_norm(grads).detach())
+    applied_grad_norms.append(ddp.fsdp.local_tensor(nn.utils.get_total_norm(grads)).detach())  # a DTensor's under fsdp
 
 
 def _record_conv(module, inputs, output) -> None:
@@ -95,6 +97,8 @@ real_check = ddp.process_group.replicas_identical
 
 
 def watched_check(module, include_buffers):
+    if ddp.fsdp.is_sharded(module):  # one sharded model, not replicas (and FSDP refuses deepcopy)
+        return real_check(module, include_buffers)
     torch.save(module.state_dict(), WATCH_DIR / f"state_rank{RANK}.pt")
     nudged = copy.deepcopy(module)
     if RANK == 1:
