@@ -114,7 +114,6 @@ def fit(cfg: DictConfig, env: DistEnv, device: torch.device, gpus: list[int], me
         position, rank_state = resume_training(resumed, update, lr, length.total_updates, cfg.data.batch_size,
                                                env.world_size, env.rank, len(splits.train))
     position.epoch_totals = position.epoch_totals.to(device)
-    log_setup(cfg, env.world_size, device, length, lr, len(splits.train), len(splits.val))
     best = BestTracker.of(cfg.checkpoint, cfg.trainer, cfg.task, device, resumed[1] if resumed else None)  # a resume's record goes on
     validator = Validator(model, raw_model, ema, val_loader, device, cfg.trainer.limit_val_batches, task,
                           strategy=cfg.strategy.name, syncbn=cfg.syncbn)
@@ -128,6 +127,8 @@ def fit(cfg: DictConfig, env: DistEnv, device: torch.device, gpus: list[int], me
     slow_down(trained, cfg.fault, env.rank)  # testing aid; after the monitor's compute timer hooks in, so it counts it
     recorder = SampleRecorder(cfg.fault.record_samples_dir, env.rank, cfg.data.batch_size) if cfg.fault.record_samples_dir else None
     with monitor:
+        # the run's first line once SIGTERM and Ctrl-C stop it at a step with a checkpoint (the monitor's StopOnSignal)
+        log_setup(cfg, env.world_size, device, length, lr, len(splits.train), len(splits.val))
         started = time.perf_counter()
         metrics = train(cfg, env, update, train_loader, position, rank_state, length, monitor, checkpointer, validator, best, recorder)
         wall_s = time.perf_counter() - started

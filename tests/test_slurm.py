@@ -40,7 +40,7 @@ SLOWER = ["fault.slow_rank=1", "fault.slow_ms=200"]
 # 1 s longer per step (16 s of training; a sleep, no CPU): a job that resumes part-way still trains
 # for seconds, long enough for a second signal to arrive.
 SLOWEST = ["fault.slow_rank=1", "fault.slow_ms=1000"]
-TRAINING_STARTED = "strategy=ddp world_size=2"  # rank 0's last line before the loop
+TRAINING_STARTED = "strategy=ddp world_size=2"  # rank 0's first line once SIGTERM stops it with a checkpoint
 
 
 def cannot_run(reason: str) -> None:
