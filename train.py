@@ -99,9 +99,9 @@ def fit(cfg: DictConfig, env: DistEnv, device: torch.device, gpus: list[int], me
     """Set up training (loaders, model, update, the resumed position), train, save, and report."""
     train_loader = build_train_loader(splits.train, cfg.data, env, cfg.seed, pin_memory=device.type == "cuda")
     val_loader = build_val_loader(splits.val, cfg.data, env, pin_memory=device.type == "cuda")
-    model, raw_model, trained, ema = prepare_model(model, cfg.strategy, env, device, precision=cfg.precision, channels_last=cfg.channels_last,
-                                                   syncbn=cfg.syncbn, ema_decay=cfg.ema.decay, compile=cfg.compile,
-                                                   compile_mode=cfg.compile_mode)
+    model, raw_model, trained, ema = prepare_model(model, cfg.strategy, env, device, precision=cfg.precision,
+                                                   channels_last=cfg.channels_last, syncbn=cfg.syncbn, ema_decay=cfg.ema.decay,
+                                                   compile=cfg.compile, compile_mode=cfg.compile_mode)
     lr = scaled_lr(cfg.optim, length.global_batch)
     optimizer = build_optimizer(cfg.optim, model.parameters(), lr)
     scheduler = build_scheduler(cfg.scheduler, optimizer, length.total_updates, length.updates_per_epoch)
@@ -126,8 +126,7 @@ def fit(cfg: DictConfig, env: DistEnv, device: torch.device, gpus: list[int], me
                          memory_reset=memory_reset)
     slow_down(trained, cfg.fault, env.rank)  # testing aid; after the monitor's compute timer hooks in, so it counts it
     recorder = SampleRecorder(cfg.fault.record_samples_dir, env.rank, cfg.data.batch_size) if cfg.fault.record_samples_dir else None
-    with monitor:
-        # the run's first line once SIGTERM and Ctrl-C stop it at a step with a checkpoint (the monitor's StopOnSignal)
+    with monitor:  # from here SIGTERM and Ctrl-C stop the run at a step, with a checkpoint (StopOnSignal)
         log_setup(cfg, env.world_size, device, length, lr, len(splits.train), len(splits.val))
         started = time.perf_counter()
         metrics = train(cfg, env, update, train_loader, position, rank_state, length, monitor, checkpointer, validator, best, recorder)

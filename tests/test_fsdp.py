@@ -36,6 +36,7 @@ from test_sweeps import assert_one_run_per_job_dir, job_dirs, shared_sweep, summ
 FSDP_RUN = ["strategy=fsdp", "syncbn=true", *TINY, "checkpoint.keep_best=0", "checkpoint.every_n_steps=5",
             "fault.record_samples_dir=samples"]
 SAMPLES = 128
+TINY_DATA = [arg for arg in TINY if arg.startswith("data")]
 INSTRUMENTED = REPO / "tests" / "workers" / "instrumented_train.py"
 
 
@@ -56,7 +57,8 @@ def step_dir(cwd: Path, step: int) -> Path:
 
 
 def full_state(checkpoint: Path, tmp: Path) -> dict:
-    """A sharded checkpoint's model and optimizer states as full tensors, by torch's own converter."""
+    """A sharded checkpoint's model and optimizer states as full tensors, by torch's own converter (via tmp)."""
+    tmp.mkdir(exist_ok=True)
     dcp_to_torch_save(checkpoint, tmp / "full.pt")
     return torch.load(tmp / "full.pt", weights_only=True)
 
@@ -114,7 +116,6 @@ def killed_and_resumed(tmp_path_factory) -> tuple[Path, str]:
 def test_killed_rank_resumes_from_the_sharded_checkpoint_bit_identical(fsdp_run, killed_and_resumed, tmp_path):
     cwd, log = killed_and_resumed
     assert re.findall(r"resumed from (\S+) at epoch 0, batch 5, step 5", log) == [str(step_dir(cwd, 5))], log
-    (tmp_path / "a").mkdir(), (tmp_path / "b").mkdir()
     assert_same_state(full_state(step_dir(cwd, 16), tmp_path / "a"), full_state(step_dir(fsdp_run, 16), tmp_path / "b"))
     resumed, uninterrupted = load_checkpoint(step_dir(cwd, 16)), load_checkpoint(step_dir(fsdp_run, 16))
     for state in (resumed, uninterrupted):
@@ -147,8 +148,7 @@ def test_resume_at_another_world_size_trains_every_sample_once(fsdp_run, tmp_pat
     if world_size == 3:
         evaluated = json.loads((job_dirs(the_sweep_dir(tmp_path))[1] / "eval.json").read_text())
         monkeypatch.chdir(tmp_path)
-        data = [arg for arg in TINY if arg.startswith("data")]
-        one_process = run_in_this_process(["mode=eval", "strategy=single", *data, f"resume={checkpoint}"], tmp_path / "eval")
+        one_process = run_in_this_process(["mode=eval", "strategy=single", *TINY_DATA, f"resume={checkpoint}"], tmp_path / "eval")
         assert (evaluated["strategy"], evaluated["world_size"], evaluated["step"], evaluated["val_samples"]) == ("fsdp", 3, 10, 37)
         assert evaluated["val_accuracy"] == one_process["val_accuracy"]
         assert evaluated["val_loss"] == pytest.approx(one_process["val_loss"], rel=1e-6)
@@ -204,7 +204,6 @@ def test_export_writes_one_plain_state_dict_for_the_bare_model_and_weights_path(
                             text=True, timeout=120, env=os.environ | {"PYTHONPATH": str(REPO)})
     check(result)
     exported = torch.load(checkpoint / "model.pt", weights_only=True)
-    (tmp_path / "full").mkdir()
     assert_same_state(exported, full_state(step_dir(fsdp_run, 16), tmp_path / "full")["model"])  # torch's own converter
     SmallCNN(num_classes=10, in_channels=3, channels=[8, 16]).load_state_dict(exported, strict=True)
     model = SmallCNN(num_classes=10, in_channels=3, channels=[8, 16])
@@ -216,8 +215,7 @@ def test_eval_of_a_sharded_checkpoint_in_one_process_reports_the_training_runs_m
     """mode=eval reads fsdp's sharded checkpoint whole: one process without a process group reports
     the metrics that 2 fsdp ranks validated at the same step."""
     monkeypatch.chdir(tmp_path)
-    data = [arg for arg in TINY if arg.startswith("data")]
-    evaluated = run_in_this_process(["mode=eval", "strategy=single", *data, f"resume={step_dir(fsdp_run, 16)}"], tmp_path / "eval")
+    evaluated = run_in_this_process(["mode=eval", "strategy=single", *TINY_DATA, f"resume={step_dir(fsdp_run, 16)}"], tmp_path / "eval")
     training = load_results(fsdp_run)
     assert json.loads((tmp_path / "eval" / "eval.json").read_text()) == evaluated
     assert (evaluated["world_size"], evaluated["step"], evaluated["val_samples"]) == (1, 16, 37)
@@ -232,7 +230,7 @@ def test_a_sharded_checkpoint_whose_index_would_run_code_is_refused_and_never_ru
     object (DCP loads those with weights_only=False)."""
     marker = tmp_path / "marker"
     evil = shutil.copytree(step_dir(fsdp_run, 16), tmp_path / "evil" / "step-00000016")
-    real_index = (evil / ".metadata").read_bytes()
+    index = FileSystemReader(step_dir(fsdp_run, 16)).read_metadata()  # our own checkpoint's, as DCP wrote it
     (evil / ".metadata").write_bytes(pickle.dumps(_CreatesFileWhenUnpickled(marker)))
     with pytest.raises(AttributeError):  # the payload is real: torch's own reader runs it, then finds an int
         FileSystemReader(evil).read_metadata()
@@ -243,13 +241,11 @@ def test_a_sharded_checkpoint_whose_index_would_run_code_is_refused_and_never_ru
     with pytest.raises(CheckpointError, match="refused"):
         export_model(evil)
     monkeypatch.chdir(tmp_path)
-    data = [arg for arg in TINY if arg.startswith("data")]
-    for overrides in (["mode=eval", "strategy=single", *data], ["strategy=fsdp", "strategy.nproc_per_node=2", *TINY]):
+    for overrides in (["mode=eval", "strategy=single", *TINY_DATA], ["strategy=fsdp", "strategy.nproc_per_node=2", *TINY]):
         line = config_error_in_this_process([*overrides, f"resume={evil}"], tmp_path / "run")
         assert "refused" in line and str(evil) in line, line
     assert not marker.exists()
 
-    index = pickle.loads(real_index)  # our own checkpoint's, as DCP wrote it
     index.state_dict_metadata["model.features.0.weight"] = BytesStorageMetadata()
     (evil / ".metadata").write_bytes(pickle.dumps(index))
     with pytest.raises(CheckpointError, match=r"refused, it stores pickled objects.*\(model.features.0.weight\)"):
@@ -342,13 +338,11 @@ def test_a_sweep_trains_fsdp_in_bf16_and_fp16_with_float32_master_weights(precis
     assert_one_run_per_job_dir(cwd, sweep_dir, {"train_rank0.log", "train_rank1.log"})
     rows = summary_rows(sweep_dir)
     assert [(row["status"], row["overrides"].split()[-1]) for row in rows] == [("ok", "precision=bf16"), ("ok", "precision=16")]
-    (tmp_path / "fp32").mkdir()
     fp32 = full_state(step_dir(fsdp_run, 16), tmp_path / "fp32")
     for job_dir, precision in zip(job_dirs(sweep_dir), ("bf16", "16"), strict=True):
         results = results_of(job_dir)
         assert (results["precision"], results["strategy"], results["steps"], results["val_samples"]) == (precision, "fsdp", 16, 37)
         checkpoint = job_dir / "checkpoints" / "step-00000016"
-        (tmp_path / precision).mkdir()
         low = full_state(checkpoint, tmp_path / precision)
         assert {tensor.dtype for tensor in tensors(low) if tensor.is_floating_point()} == {torch.float32}, precision
         weights = [key for key, tensor in fp32["model"].items() if tensor.is_floating_point()]
