@@ -17,6 +17,7 @@ differs).
 import dataclasses
 import difflib
 import inspect
+import sys
 import typing
 from dataclasses import field
 from typing import Any
@@ -50,7 +51,7 @@ def builder_options(group_cfg: Any, group: str) -> dict:
         return options
     try:
         builder = _locate(target)  # what instantiate imports; get_object would also log the error
-        parameters = inspect.signature(builder, eval_str=True).parameters
+        parameters = _parameters(builder)
     except (ImportError, AttributeError, NameError, ValueError, TypeError) as error:
         reason = " ".join(str(error).split())
         raise ConfigError(f"{group}._target_={target}: can't be imported or inspected ({reason}); "
@@ -78,6 +79,29 @@ def builder_options(group_cfg: Any, group: str) -> dict:
                               f"set it in conf/{group}/*.yaml or pass {group}.{name}=<value>")
     annotations = {name: accepted[name].annotation for name in options}
     return {**specials, **_typed_options(options, annotations, group, target)}
+
+
+def _parameters(builder: Any) -> dict[str, inspect.Parameter]:
+    """The builder's parameters with their annotations evaluated, as inspect.signature(eval_str=True)
+    does. A postponed annotation (`from __future__ import annotations`) that can't be evaluated at run
+    time, such as a name imported only under `if TYPE_CHECKING:`, must not refuse a builder that imports
+    fine: that parameter alone is left unannotated (its key takes any value), and the others are checked.
+    Raises ValueError or TypeError for a builder inspect can't read."""
+    signature = inspect.signature(builder)
+    try:
+        return dict(inspect.signature(builder, eval_str=True).parameters)
+    except Exception:  # whatever eval raised: NameError mostly, also AttributeError, TypeError, SyntaxError
+        pass
+    namespace = vars(sys.modules[builder.__module__])  # where the builder's annotations were written
+    parameters = {}
+    for name, parameter in signature.parameters.items():
+        if isinstance(parameter.annotation, str):
+            try:
+                parameter = parameter.replace(annotation=eval(parameter.annotation, namespace))
+            except Exception:
+                parameter = parameter.replace(annotation=inspect.Parameter.empty)
+        parameters[name] = parameter
+    return parameters
 
 
 def _typed_options(options: dict, annotations: dict, group: str, target: str) -> dict:

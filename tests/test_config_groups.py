@@ -16,7 +16,7 @@ from omegaconf.errors import ValidationError
 from sklearn.datasets import load_digits
 
 import ddp.config as schema
-from conftest import REPO, write_imagefolder
+from conftest import REPO, config_error_in_this_process, run_in_this_process, write_imagefolder
 from data import build_datasets
 from data.digits import build_digits
 from data.shapes import build_shapes
@@ -407,3 +407,40 @@ def test_builder_options_are_converted_to_the_annotations():
         builder_options({**node, "act": "tanh"}, "model")
     with pytest.raises(ConfigError, match=r"^model.width is required: .*choice_builder has no default for it"):
         builder_options({"_target_": node["_target_"]}, "model")
+
+
+# A user's model module in the common typing style: postponed annotations, and a name imported for them only.
+POSTPONED_NET = """\
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+from torch import nn
+
+if TYPE_CHECKING:
+    from collections.abc import Sequence
+
+
+def build(num_classes: int, in_channels: int, widths: Sequence[int], dropout: float = 0.0) -> nn.Module:
+    layers, previous = [], in_channels
+    for width in widths:
+        layers += [nn.Conv2d(previous, width, 3, padding=1), nn.ReLU()]
+        previous = width
+    return nn.Sequential(*layers, nn.AdaptiveAvgPool2d(1), nn.Flatten(), nn.Dropout(dropout), nn.Linear(previous, num_classes))
+"""
+
+
+def test_a_builder_with_postponed_annotations_trains(tmp_path, monkeypatch):
+    """`widths: Sequence[int]` can't be evaluated at run time (Sequence is imported under TYPE_CHECKING),
+    yet the module imports fine: the builder is taken and trains, with widths unchecked; dropout's
+    annotation evaluates, so a mistyped dropout is still one line."""
+    (tmp_path / "postponed_net.py").write_text(POSTPONED_NET)
+    monkeypatch.syspath_prepend(tmp_path)
+    monkeypatch.chdir(tmp_path)
+    overrides = ["data=synthetic", "data.num_samples=16", "data.num_val_samples=8", "data.image_size=8", "data.batch_size=8",
+                 "trainer.max_epochs=1", "model._target_=postponed_net.build", "~model.channels", "~model.norm", "+model.widths=[4]"]
+    line = config_error_in_this_process([*overrides, "model.dropout=lots"], tmp_path / "refused")
+    assert line.startswith("model.dropout: Value 'lots' of type 'str' could not be converted to Float; "
+                           "postponed_net.build takes dropout: float"), line
+    results = run_in_this_process(overrides, tmp_path / "run")
+    assert results["steps"] == 2 and results["val_samples"] == 8
