@@ -133,6 +133,17 @@ def stop_line(rank0_log: str, signal_name: str) -> tuple[str, int]:
     return lines[0], int(lines[0].split("at step ")[1].split()[0])
 
 
+def test_the_node_has_the_cpus_slurmd_finds_whatever_omp_num_threads():
+    """With OMP_NUM_THREADS=1 exported (as this suite and many CPU boxes do), GNU nproc says 1: a node
+    sized by it never runs a job that asks for 2 CPUs (Reason=PartitionConfig). The node must have the
+    CPUs slurmd itself finds. `config` prints what `start` writes, without touching the running cluster."""
+    env = os.environ | {"OMP_NUM_THREADS": "1", "PATH": SEARCH_PATH}
+    written = subprocess.run([LOCAL_CLUSTER, "config"], env=env, capture_output=True, text=True, check=True).stdout
+    found = subprocess.run(["slurmd", "-C"], env=env, capture_output=True, text=True, check=True).stdout
+    cpus = re.findall(r"\bCPUs=(\d+)", written)
+    assert cpus == re.findall(r"\bCPUs=(\d+)", found)[:1], (written, found)
+
+
 # --- scripts/slurm/ddp.sbatch -----------------------------------------------------------------------
 
 

@@ -5,6 +5,7 @@
 #   sudo scripts/slurm/local-cluster.sh install   # apt-get install slurm-wlm munge
 #   sudo scripts/slurm/local-cluster.sh start     # munged, slurmctld, slurmd; one partition "local"
 #   scripts/slurm/local-cluster.sh status         # exit 0 when the node takes jobs
+#   scripts/slurm/local-cluster.sh config         # print the slurm.conf that start writes
 #   sudo scripts/slurm/local-cluster.sh stop
 #
 # start and stop are idempotent. The node is this machine under the name "localhost", with all of its
@@ -50,12 +51,13 @@ node_ready() {  # the node is up and takes jobs
     [[ $state =~ ^(idle|mixed|allocated|completing) ]]
 }
 
-write_config() {
+config() {  # the slurm.conf that start writes
     local cpus memory_mb
-    cpus=$(nproc)
+    # --all: plain nproc honours OMP_NUM_THREADS (often 1 on CPU boxes), and a 1-CPU node never runs a
+    # job that asks for 2. --all counts what slurmd -C counts, every CPU whatever the affinity.
+    cpus=$(nproc --all)
     memory_mb=$(( $(awk '/^MemTotal:/ {print $2}' /proc/meminfo) / 1024 * 9 / 10 ))  # leave some to the system
-    mkdir -p "$(dirname "$SLURM_CONF")"
-    cat >"$SLURM_CONF" <<EOF
+    cat <<EOF
 $MARK
 ClusterName=local
 SlurmctldHost=localhost
@@ -78,6 +80,11 @@ ReturnToService=2
 NodeName=localhost NodeAddr=127.0.0.1 CPUs=$cpus RealMemory=$memory_mb State=UNKNOWN
 PartitionName=local Nodes=localhost Default=YES MaxTime=INFINITE State=UP
 EOF
+}
+
+write_config() {
+    mkdir -p "$(dirname "$SLURM_CONF")"
+    config >"$SLURM_CONF"
 }
 
 install() {
@@ -147,12 +154,12 @@ status() {
 }
 
 case ${1:-} in
-    install | status) "$1" ;;
+    install | status | config) "$1" ;;
     start | stop)
         need_root "$1"
         exec 9>/run/hydra-ddp-local-cluster.lock
         flock 9  # one start or stop at a time (test processes may start it together)
         "$1"
         ;;
-    *) fail "usage: $0 install | start | stop | status" ;;
+    *) fail "usage: $0 install | start | stop | status | config" ;;
 esac
