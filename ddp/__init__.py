@@ -1,1 +1,1 @@
-"""Small factories for training on one device or many: env, process group, wrapping, SyncBN, loaders, rank-0 I/O, checkpoints."""
+"""The pieces of a training run on one device or many, one concern per module; docs/layout.md lists every module and its concern."""

@@ -170,13 +170,15 @@ def command_line(args: list[str], cwd, monkeypatch) -> None:
 
 
 def test_help_lists_every_user_group_and_option_and_no_schema(tmp_path, monkeypatch, capsys):
-    """`python train.py --help`: each group a user picks from, with each of its options; not the
-    internal schema/ groups."""
+    """`python train.py --help`: its first line names every task; each group a user picks from, with
+    each of its options; not the internal schema/ groups."""
     with pytest.raises(SystemExit) as exit_:
         command_line(["--help"], tmp_path, monkeypatch)
     assert exit_.value.code == 0
     stdout = capsys.readouterr().out
     assert "schema" not in stdout
+    opening = stdout.splitlines()[0]
+    assert all(task.stem in opening for task in (REPO / "conf" / "task").glob("*.yaml")), opening
     groups = {p.name for p in (REPO / "conf").iterdir() if p.is_dir() and p.name != "hydra"} | {"hydra/launcher"}
     for group in groups:
         (line,) = [line for line in stdout.splitlines() if line.strip().startswith(f"{group}=")]

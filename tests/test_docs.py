@@ -96,6 +96,24 @@ def test_headings_give_the_anchors_a_reader_links_to():
     assert "elastic-scale-down" in anchors(REPO / "docs" / "fault-tolerance.md")
 
 
+def test_readme_lists_every_option_of_each_group():
+    """Each group's "Options:" line in the README names every option in conf/<group>/ (fsdp once went
+    unlisted)."""
+    sections = re.findall(r"^### `(\w+)`\n\nOptions: (.*)$", (REPO / "README.md").read_text(), re.M)
+    assert {"strategy", "model", "data", "optim", "scheduler", "task"} <= {group for group, _ in sections}
+    unlisted = [f"{group}={option}" for group, line in sections for option in
+                sorted(p.stem for p in (REPO / "conf" / group).glob("*.yaml")) if f"`{option}`" not in line]
+    assert not unlisted, f"README.md's Options lines leave out {unlisted}"
+
+
+def test_the_layout_page_names_every_module_of_ddp():
+    """ddp/__init__.py points to docs/layout.md for its modules, so the page must name each one."""
+    layout = (REPO / "docs" / "layout.md").read_text()
+    unnamed = [str(path.relative_to(REPO)) for path in sorted((REPO / "ddp").rglob("*.py"))
+               if path.name != "__init__.py" and f"`{path.relative_to(REPO)}`" not in layout]
+    assert not unnamed, f"docs/layout.md doesn't name {unnamed}"
+
+
 def code_lines(page: Path) -> list[tuple[int, str]]:
     """The lines of the page's ```bash blocks with their line numbers, continuations joined and
     comments dropped."""
