@@ -6,7 +6,6 @@
 
 import contextlib
 import functools
-import os
 import sys
 import time
 from collections.abc import Iterator
@@ -37,7 +36,7 @@ from ddp.optimizer import build_optimizer, build_scheduler, check_optimizer, che
 from ddp.preemption import resume_command
 from ddp.process_group import all_reduce_sum, process_group, replicas_identical, resolve_backend
 from ddp.rank_zero import quiet_console_on_other_ranks
-from ddp.resume import Position, check_update_state_fits, find_resume_checkpoint, load_resumed_weights, resume_training
+from ddp.resume import Position, check_update_state_fits, find_resume_checkpoint, is_restart, load_resumed_weights, resume_training
 from ddp.results import log_hparams, log_results, log_setup, training_results, write_results
 from ddp.run_dir import register_resolvers
 from ddp.syncbn import warn_if_syncbn_without_ddp
@@ -51,46 +50,48 @@ from tasks import build_task
 def run(cfg: DictConfig, run_dir: Path, relaunch: str) -> dict:
     """The whole run; returns the final metrics (also written to run_dir/results.json on rank 0).
     `relaunch` is the command that continues it after an interruption."""
-    # resolve env and check the config before anything starts or is written
     env = DistEnv.from_environ()
-    validate(cfg, launched=env.launched, world_size=env.world_size)
-    restrict_visible_gpus(cfg.devices)  # before the first CUDA call below
+    quiet_console_on_other_ranks(env)
+    backend, splits, task, length, model, resumed = check_startup(cfg, run_dir, launched=env.launched, world_size=env.world_size,
+                                                                  restarted=is_restart(env))
     distributed = cfg.strategy.name in MULTI_PROCESS
-    backend = resolve_backend(cfg.backend, torch.cuda.is_available())
     device = select_device(env, backend if distributed else None, torch.cuda.device_count())
     gpus = process_gpus(cfg.strategy.name, device)
     memory_reset = reset_peak_memory(gpus)  # peak memory is this run's, also in a multirun
-    quiet_console_on_other_ranks(env)
     warn_if_syncbn_without_ddp(cfg.syncbn, cfg.strategy.name)
     if cfg.deterministic:
         use_deterministic_cudnn()
+    if cfg.mode == "eval":
+        return evaluate_checkpoint(cfg, env, backend, device, splits, task, run_dir, build_model)
+    start_worker_server(splits.train, cfg.data.num_workers)  # for DataLoader workers, while the rank sets up (ddp/loader_workers.py)
+    with process_group(backend, env, device, cfg.strategy.timeout_s) if distributed else contextlib.nullcontext():
+        return fit(cfg, env, device, gpus, memory_reset, splits, task, length, model, resumed, run_dir, relaunch)
 
-    # data, task and model: identical on every rank (same seed)
-    torch.manual_seed(cfg.seed)
+
+def check_startup(cfg: DictConfig, run_dir: Path, *, launched: bool, world_size: int, restarted: bool) -> tuple:
+    """Every startup check (a one-line ConfigError), before any process group, worker or file of the run: main runs it in a
+    launcher too, at the launch's size, so nothing starts. Returns (backend, splits, task, length, model, resumed); None x3 for eval."""
+    validate(cfg, launched=launched, world_size=world_size)
+    restrict_visible_gpus(cfg.devices)  # before the first CUDA call below
+    backend = resolve_backend(cfg.backend, torch.cuda.is_available())
+    torch.manual_seed(cfg.seed)  # data, task and model: identical on every rank (same seed)
     splits = build_datasets(cfg.data)
     task = build_task(cfg.task, splits.num_classes, splits.class_names)
     if cfg.mode == "eval":
-        return evaluate_checkpoint(cfg, env, backend, device, splits, task, run_dir, build_model)
-    length = TrainingLength.of(cfg.trainer, len(splits.train), cfg.data.batch_size, env.world_size)
+        return backend, splits, task, None, None, None
+    length = TrainingLength.of(cfg.trainer, len(splits.train), cfg.data.batch_size, world_size)
     check_schedule(cfg.scheduler, length.total_updates, length.updates_per_epoch)
     model = build_model(cfg.model, splits.num_classes, splits.in_channels)
     check_model_accepts(model, splits.val[0][0])
     check_blocks(model, cfg.strategy)
     check_optimizer(cfg.optim)  # the real optimizer needs the wrapped model
-    start_worker_server(splits.train, cfg.data.num_workers)  # for DataLoader workers, while the rank sets up (ddp/loader_workers.py)
-
-    # resume: weights load before wrapping, so DDP starts every rank from them
-    # submitit runs a requeued job again in the same job dir; its first run finds no checkpoint there
-    restarted = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")) > 0 or env.launcher == "submitit"
     resumed = find_resume_checkpoint(cfg.resume, run_dir, restarted)
-    if resumed:
+    if resumed:  # weights load before wrapping, so DDP starts every rank from them
         load_resumed_weights(model, resumed, cfg.strategy.name)
         check_update_state_fits(resumed[1], resumed[0], cfg)
     check_best_settings(cfg.checkpoint, cfg.trainer, cfg.task, run_epochs=length.epochs, task=task, model=model,
                         val_sample=splits.val[0], resumed=resumed)
-
-    with process_group(backend, env, device, cfg.strategy.timeout_s) if distributed else contextlib.nullcontext():
-        return fit(cfg, env, device, gpus, memory_reset, splits, task, length, model, resumed, run_dir, relaunch)
+    return backend, splits, task, length, model, resumed
 
 
 @record  # a failing rank's traceback reaches torchrun's error summary (Hydra would swallow it)
@@ -233,9 +234,8 @@ def main(cfg: DictConfig) -> float:
     env = DistEnv.from_environ()
     relaunch = resume_command(sys.argv[0], list(hydra_cfg.overrides.task), env.local_world_size if env.launched else None, run_dir)
     try:
-        if cfg.strategy.name in MULTI_PROCESS and not env.launched and cfg.strategy.nproc_per_node > 0:
-            nproc = cfg.strategy.nproc_per_node
-            validate(cfg, launched=True, world_size=nproc)  # fail here, not in N workers
+        if cfg.strategy.name in MULTI_PROCESS and not env.launched and (nproc := cfg.strategy.nproc_per_node) > 0:
+            check_startup(cfg, run_dir, launched=True, world_size=nproc, restarted=False)  # fail here, not in N workers
             results = launch_workers(run, cfg, run_dir, relaunch, hydra_cfg.job.name, nproc, cfg.strategy.max_restarts)
         else:
             results = run(cfg, run_dir, relaunch)

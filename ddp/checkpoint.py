@@ -169,17 +169,29 @@ def check_sharded_index(path: Path) -> None:
     points at a pickled object (DCP loads those with weights_only=False): ours hold tensors only."""
     from torch.distributed.checkpoint import metadata as dcp_metadata
 
+    entries = _index_entries(path)
+    objects = [key for key, entry in entries.items() if not isinstance(entry, dcp_metadata.TensorStorageMetadata)]
+    if objects:
+        raise CheckpointError(f"{path / SHARDED_INDEX}: refused, it stores pickled objects, which loading would run ({', '.join(objects)})")
+
+
+def sharded_model_shapes(path: Path) -> dict[str, torch.Size]:
+    """The model's tensors in a sharded checkpoint (their full, unsharded shapes), read from its DCP index
+    as check_sharded_index reads it: a resume compares them with the model before any rank loads a shard."""
+    return {key.removeprefix("model."): entry.size for key, entry in _index_entries(path).items()
+            if key.startswith("model.") and hasattr(entry, "size")}
+
+
+def _index_entries(path: Path) -> dict[str, Any]:
+    """The DCP index's entries (key to metadata), unpickled with _IndexUnpickler's globals only."""
     index = path / SHARDED_INDEX
     try:
         with open(index, "rb") as file:
-            entries = _IndexUnpickler(file).load().state_dict_metadata
+            return _IndexUnpickler(file).load().state_dict_metadata
     except _ForbiddenGlobal as error:
         raise CheckpointError(f"{index}: refused, it names {error}, which a DCP index doesn't hold and loading would run") from None
     except (pickle.UnpicklingError, AttributeError, EOFError, OSError, ValueError, TypeError) as error:
         raise CheckpointError(f"{index}: unreadable sharded checkpoint index ({str(error).strip() or type(error).__name__})") from None
-    objects = [key for key, entry in entries.items() if not isinstance(entry, dcp_metadata.TensorStorageMetadata)]
-    if objects:
-        raise CheckpointError(f"{index}: refused, it stores pickled objects, which loading would run ({', '.join(objects)})")
 
 
 def is_sharded_checkpoint(path: Path) -> bool:

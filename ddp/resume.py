@@ -1,6 +1,7 @@
 """Exact resume: choosing the checkpoint, and the per-rank state that makes the rest bit-identical."""
 
 import logging
+import os
 import random
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -10,7 +11,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from ddp.checkpoint import CheckpointError, is_sharded_checkpoint, load_checkpoint, load_latest_checkpoint
+from ddp.checkpoint import CheckpointError, is_sharded_checkpoint, load_checkpoint, load_latest_checkpoint, sharded_model_shapes
 from ddp.config import ConfigError
 from ddp.optimizer import resume_schedule
 from ddp.samplers import resume_point
@@ -115,6 +116,12 @@ def resume_training(resumed: tuple[Path, dict[str, Any]], update, base_lr: float
     return resume_position(path, checkpoint, batch_size, world_size, rank, train_size)
 
 
+def is_restart(env) -> bool:
+    """A torchrun restart, or a submitit task (a requeued job runs again in the same job dir; its first
+    run finds no checkpoint there): find_resume_checkpoint continues from the run dir's own newest."""
+    return int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")) > 0 or env.launcher == "submitit"
+
+
 def find_resume_checkpoint(resume: str | None, run_dir: Path, restarted: bool) -> tuple[Path, dict[str, Any]] | None:
     """`resume`: None (fresh), `auto`, a run dir, or a checkpoint (a file, or a sharded one's dir). A restarted run (torchrun's
     restart, a requeued SLURM job) continues from its own run dir's newest checkpoint when there is
@@ -142,29 +149,43 @@ def find_resume_checkpoint(resume: str | None, run_dir: Path, restarted: bool) -
 
 def load_resumed_weights(model: nn.Module, resumed: tuple[Path, dict[str, Any]], strategy: str) -> None:
     """The checkpoint's weights into the bare `model`. strategy=fsdp resumes from sharded checkpoints
-    (dirs), whose shards load into the sharded model (resume_training); the others from checkpoint files."""
+    (dirs), whose shards load into the sharded model (resume_training): here only the shapes in their
+    DCP index are checked, so a misfit is refused before any process group; the others from checkpoint files."""
     path, checkpoint = resumed
     if bool(checkpoint.get("sharded")) != (strategy == "fsdp"):
         kind = "a sharded checkpoint (strategy=fsdp's)" if checkpoint.get("sharded") else "a checkpoint file"
         raise ConfigError(f"resume: {path} is {kind}, which strategy={strategy} doesn't resume from yet; resume it with "
                           f"strategy={'fsdp' if checkpoint.get('sharded') else 'single, dp or ddp'}, or start from its weights "
                           "with model.weights_path")
-    if not checkpoint.get("sharded"):
+    if checkpoint.get("sharded"):
+        check_state_fits(model, sharded_model_shapes(path), path)
+    else:
         load_model_state(model, checkpoint["model"], path)
 
 
 def load_model_state(model: nn.Module, state_dict: dict[str, torch.Tensor], source: Path) -> None:
-    """load_state_dict(strict=True), with a one-line error listing every mismatched key."""
-    own = model.state_dict()
-    missing = sorted(own.keys() - state_dict.keys())
-    unexpected = sorted(state_dict.keys() - own.keys())
-    reshaped = sorted(k for k in own.keys() & state_dict.keys() if own[k].shape != state_dict[k].shape)
-    if missing or unexpected or reshaped:
-        raise ConfigError(
-            f"resume: {source} does not fit this model (model.* differs from the checkpoint's): "
-            f"missing keys {missing}, unexpected keys {unexpected}, different shapes {reshaped}"
-        )
+    """load_state_dict(strict=True), after check_state_fits."""
+    check_state_fits(model, {key: value.shape for key, value in state_dict.items()}, source)
     model.load_state_dict(state_dict, strict=True)
+
+
+def check_state_fits(model: nn.Module, shapes: dict[str, torch.Size], source: Path) -> None:
+    """The checkpoint's tensors (`shapes`: name to shape) are exactly the model's, or a one-line error that
+    counts the missing, unexpected and reshaped keys and names the first few of each."""
+    own = {key: value.shape for key, value in model.state_dict().items()}
+    missing = sorted(own.keys() - shapes.keys())
+    unexpected = sorted(shapes.keys() - own.keys())
+    reshaped = sorted(key for key in own.keys() & shapes.keys() if tuple(own[key]) != tuple(shapes[key]))
+    if missing or unexpected or reshaped:
+        kinds = ", ".join(_some(keys, kind) for keys, kind in ((missing, "missing"), (unexpected, "unexpected"),
+                                                              (reshaped, "reshaped")) if keys)
+        raise ConfigError(f"resume: {source} does not fit this model (model.* differs from the checkpoint's): {kinds}")
+
+
+def _some(keys: list[str], kind: str, shown: int = 3) -> str:
+    """`2 missing keys ['a', 'b']`; past `shown` keys, `...` stands for the rest (a resnet's list is thousands of characters)."""
+    listed = ", ".join(repr(key) for key in keys[:shown]) + (", ..." if len(keys) > shown else "")
+    return f"{len(keys)} {kind} key{'s' if len(keys) > 1 else ''} [{listed}]"
 
 
 def check_update_state_fits(checkpoint: dict[str, Any], source: Path, cfg) -> None:
