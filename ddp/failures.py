@@ -1,6 +1,6 @@
-"""How a job ends when its run fails or is interrupted: a config error or divergence as one line and
-exit 1, a sweep's job failing alone (without the frames that hold its run), a sweep under torchrun
-stopped at once."""
+"""How a job ends when its run fails or is interrupted: a config error (its run dir put back as it was)
+or divergence as one line and exit 1, a sweep's job failing alone (without the frames that hold its
+run), a sweep under torchrun stopped at once."""
 
 import logging
 import signal
@@ -11,6 +11,7 @@ from hydra.types import RunMode
 from ddp.config import ConfigError
 from ddp.env import DistEnv
 from ddp.preemption import Interrupted
+from ddp.run_dir import undo_refused_launch
 from ddp.sweep_summary import record_failed_job
 from ddp.update import Diverged
 
@@ -44,6 +45,8 @@ def end_failed_job(error: BaseException, hydra_cfg, cfg, env: DistEnv) -> BaseEx
     if isinstance(error, (ConfigError, Diverged)):
         # without the frames that hold it, the run's DataLoader shuts its workers down now, before the line
         drop_traceback(error)
+        if isinstance(error, ConfigError):
+            undo_refused_launch()  # a refused run leaves its dir as it was (none, if the launch made it)
         if in_sweep and not env.launched:
             return error  # this job fails, the sweep goes on, and its summary says why
         sys.stderr.write(f"error: {error}\n")  # one write: ranks printing at once keep their lines whole

@@ -8,10 +8,12 @@ same second would share one. Here a launch claims a dir nobody has (`mkdir` with
 (ddp/launch_agreement.py), and a torchrun restart gets it again.
 """
 
+import contextlib
 import functools
 import json
 import os
 import shutil
+from dataclasses import dataclass
 from datetime import datetime
 from pathlib import Path
 from typing import Any
@@ -78,9 +80,11 @@ def _claimed(key: str, parent: Path) -> str:
 def run_dir(resume: str | None, mode: str = "train") -> str:
     """`resume=<run dir>` continues training in that dir; otherwise (and for mode=eval, and from a
     checkpoint: a file, or a sharded one's dir) a new `outputs/<time>` of this launch's own."""
-    if mode == "train" and resume and Path(resume).is_dir() and not is_sharded_checkpoint(Path(resume)):
-        return resume
-    return _claimed("run_dir", OUTPUTS)
+    return resume if _resumes_in_place(resume, mode) else _claimed("run_dir", OUTPUTS)
+
+
+def _resumes_in_place(resume: str | None, mode: str) -> bool:
+    return bool(mode == "train" and resume and Path(resume).is_dir() and not is_sharded_checkpoint(Path(resume)))
 
 
 def sweep_dir() -> str:
@@ -92,7 +96,12 @@ class RunDirLock(Callback):
     launch's claim files when it ends well."""
 
     def on_run_start(self, config: DictConfig, **kwargs: Any) -> None:
-        hold_lock(Path(config.hydra.run.dir))
+        directory = Path(config.hydra.run.dir)
+        # a new outputs/<time> of this launch's, or a dir that hydra.run.dir names and the launch makes
+        claimed = str(config.hydra.run._get_node("dir")._value()).startswith("${run_dir:")
+        made = (claimed and not _resumes_in_place(config.get("resume"), config.get("mode", "train"))) or not directory.exists()
+        _as_it_was.append(DirSnapshot.of(directory, made))
+        hold_lock(directory)
 
     def on_multirun_start(self, config: DictConfig, **kwargs: Any) -> None:
         hold_lock(Path(config.hydra.sweep.dir))
@@ -107,6 +116,72 @@ class RunDirLock(Callback):
     def on_multirun_end(self, config: DictConfig, **kwargs: Any) -> None:
         if DistEnv.from_environ().is_main:
             release_claims()
+
+
+# --- a refused launch leaves its run dir as it was ----------------------------------------------------
+
+# What a launch writes into its run dir before its startup checks have run: Hydra's record (written
+# before the task function, hydra/core/utils.py run_job), the lock's holder line, and the log files.
+RECORD = (".lock", ".hydra/config.yaml", ".hydra/hydra.yaml", ".hydra/overrides.yaml")
+
+
+@dataclass(frozen=True)
+class DirSnapshot:
+    """A run dir's RECORD files (bytes, or None: absent), log sizes and top-level names, taken before the
+    launch writes anything there; `made`: the launch made the dir."""
+
+    directory: Path
+    made: bool
+    record: dict[str, bytes | None]
+    logs: dict[str, int]
+    names: frozenset[str]
+
+    @classmethod
+    def of(cls, directory: Path, made: bool) -> "DirSnapshot":
+        record = {name: (directory / name).read_bytes() if (directory / name).is_file() else None for name in RECORD}
+        logs = {path.name: path.stat().st_size for path in directory.glob("*.log")}
+        names = frozenset(path.name for path in directory.iterdir()) if directory.is_dir() else frozenset()
+        return cls(directory, made, record, logs, names)
+
+    def restore(self, is_main: bool) -> None:
+        """Put back what this process may have written: on rank 0, the RECORD files (the lock is rank 0's
+        and .hydra/ too); on every rank, the logs (they only grow: cut back, or removed if new). A dir the
+        launch made goes once empty. Nothing happens if the launch wrote anything else (it trained)."""
+        directory = self.directory
+        if not directory.is_dir() or any(name not in (".hydra", ".lock") and not name.endswith(".log")
+                                         for name in {path.name for path in directory.iterdir()} - self.names):
+            return
+        if is_main:
+            for name, content in self.record.items():
+                if content is None:
+                    (directory / name).unlink(missing_ok=True)
+                else:  # (closing this file drops the process's lock on .lock: it is about to exit anyway)
+                    (directory / name).write_bytes(content)
+            if ".hydra" not in self.names:
+                _remove_if_empty(directory / ".hydra")
+        for path in directory.glob("*.log"):
+            size = self.logs.get(path.name)
+            if size is None:
+                path.unlink(missing_ok=True)
+            elif path.stat().st_size > size:
+                os.truncate(path, size)
+        if self.made:
+            _remove_if_empty(directory)  # under torchrun the last rank to get here removes it
+
+
+def _remove_if_empty(directory: Path) -> None:
+    with contextlib.suppress(OSError):
+        directory.rmdir()
+
+
+_as_it_was: list[DirSnapshot] = []  # this process's run dir before the launch (RunDirLock); a single run's only
+
+
+def undo_refused_launch() -> None:
+    """After a startup check refused the run: its run dir as it was before the launch (a resumed run's record,
+    lock and logs byte-identical), and a dir the launch made for it removed (docs/run-dirs.md)."""
+    while _as_it_was:
+        _as_it_was.pop().restore(DistEnv.from_environ().is_main)
 
 
 # --- resolvers ----------------------------------------------------------------------------------
