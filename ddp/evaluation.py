@@ -3,10 +3,12 @@ task's sums (tasks/__init__.py). Used by training's validation and by mode=eval.
 
 import contextlib
 import logging
+import math
 from collections.abc import Callable
 from pathlib import Path
 
 import torch
+import torch.distributed as dist
 from omegaconf import DictConfig
 from torch import nn
 from torch.distributed.elastic.multiprocessing.errors import record
@@ -19,8 +21,9 @@ from ddp.env import DistEnv
 from ddp.fsdp import is_sharded
 from ddp.loader_workers import start_worker_server
 from ddp.loaders import build_val_loader
-from ddp.process_group import all_reduce_max, all_reduce_sum, broadcast_buffers_from_rank_zero, process_group
+from ddp.process_group import all_reduce_sum, broadcast_buffers_from_rank_zero, process_group
 from ddp.rank_zero import write_json
+from ddp.samplers import shard_indices
 from ddp.resume import find_resume_checkpoint, load_model_state
 from ddp.wrap import wrap_model
 
@@ -46,10 +49,20 @@ def evaluate(model: nn.Module, loader, device: torch.device, limit_batches: int,
         forwards += 1
     if is_sharded(model):
         # Every forward of a sharded model is a collective (FSDP gathers each block's parameters), and
-        # shards differ by a batch: a rank with fewer runs forwards that count for nothing.
-        for _ in range(int(all_reduce_max(torch.tensor(forwards, device=device))) - forwards):
+        # shards differ by a batch: a rank with fewer runs forwards that count for nothing, up to the
+        # count every rank knows without asking (a collective here would meet another rank's forward).
+        most = most_val_forwards(len(loader.dataset), dist.get_world_size(), loader.batch_size, limit_batches)
+        for _ in range(most - forwards):
             model(images)
     return {"val_" + key: value for key, value in task.metrics(all_reduce_sum(sums)).items()}
+
+
+def most_val_forwards(size: int, world_size: int, batch_size: int, limit_batches: int) -> int:
+    """The most forwards any rank runs in `evaluate` over `size` samples: rank 0's batches, its shard
+    (shard_indices) being the largest, cut at `limit_batches` (-1: none); at least 1, as many as an
+    empty shard's one zero batch. A pure function of the sizes, so every rank computes the same."""
+    batches = math.ceil(len(shard_indices(size, world_size, 0)) / batch_size)
+    return batches if limit_batches == -1 else min(batches, limit_batches)
 
 
 def evaluate_with_ema(model: nn.Module, ema, loader, device: torch.device, limit_batches: int, task) -> dict[str, float]:

@@ -82,13 +82,6 @@ def all_reduce_sum(tensor: torch.Tensor) -> torch.Tensor:
     return tensor
 
 
-def all_reduce_max(tensor: torch.Tensor) -> torch.Tensor:
-    """The largest across ranks, in place when a process group exists; a no-op for one process."""
-    if dist.is_available() and dist.is_initialized():
-        dist.all_reduce(tensor, op=dist.ReduceOp.MAX)
-    return tensor
-
-
 def broadcast_from_rank_zero(value: float, device: torch.device) -> float:
     """Rank 0's `value` on every rank (`value` itself for one process)."""
     if not (dist.is_available() and dist.is_initialized()):

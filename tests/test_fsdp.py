@@ -19,11 +19,14 @@ from tensorboard.backend.event_processing.event_accumulator import EventAccumula
 from torch.distributed.checkpoint import FileSystemReader
 from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
 from torch.distributed.checkpoint.metadata import BytesStorageMetadata
+from torch.utils.data import DataLoader
 
 from conftest import (REPO, TINY, TORCHRUN, as_json, check, config_error_in_this_process, last_checkpoint, launch,
                       load_last, load_results, results_of, run_dirs, run_in_this_process, shared_run)
 from ddp.checkpoint import CheckpointError, load_checkpoint, load_latest_checkpoint
+from ddp.evaluation import most_val_forwards
 from ddp.export import export_model
+from ddp.samplers import ShardSampler
 from models.small_cnn import SmallCNN
 from models.weights import load_weights
 from test_elastic import records
@@ -32,9 +35,12 @@ from test_segmentation_runs import GRID, LEARN, learned  # noqa: F401, F811 (lea
 from test_sweeps import assert_one_run_per_job_dir, job_dirs, shared_sweep, summary_rows, the_sweep_dir
 
 # DDP_RUN's training (conftest: 2 ranks x batch 8 with SyncBN, 16 steps) under fsdp, saving every 5
-# steps (the last 3 kept: 10, 15, 16), each rank recording the samples it trains.
+# steps (the last 3 kept: 10, 15, 16), each rank recording the samples it trains. Validation at batch 6
+# splits the 37 val samples 19/18 into 4 and 3 batches, so rank 1 runs a forward that counts for
+# nothing (each forward gathers parameters from every rank); a rank left waiting fails the run within
+# strategy.timeout_s.
 FSDP_RUN = ["strategy=fsdp", "syncbn=true", *TINY, "checkpoint.keep_best=0", "checkpoint.every_n_steps=5",
-            "fault.record_samples_dir=samples"]
+            "fault.record_samples_dir=samples", "data.val_batch_size=6", "strategy.timeout_s=60"]
 SAMPLES = 128
 TINY_DATA = [arg for arg in TINY if arg.startswith("data")]
 INSTRUMENTED = REPO / "tests" / "workers" / "instrumented_train.py"
@@ -65,8 +71,8 @@ def full_state(checkpoint: Path, tmp: Path) -> dict:
 
 def test_fsdp_trains_as_ddp_and_one_process_with_the_global_batch(fsdp_run, ddp_run, single_run, tmp_path):
     """Gradients reduce-scattered over gloo average as DDP's all_reduce does: the final weights of the
-    three agree within float noise, and evaluation (the sharded model's forward, every sample once)
-    reports DDP's metrics."""
+    three agree within float noise, and evaluation (the sharded model's forward, every sample once, on
+    ranks holding 4 and 3 val batches) reports DDP's metrics."""
     fsdp = full_state(step_dir(fsdp_run, 16), tmp_path)["model"]
     for other in (load_last(ddp_run[0])["model"], last_checkpoint(single_run)["model"]):
         assert fsdp.keys() == other.keys() and any(key.endswith("running_var") for key in fsdp)
@@ -78,6 +84,18 @@ def test_fsdp_trains_as_ddp_and_one_process_with_the_global_batch(fsdp_run, ddp_
     assert results["val_accuracy"] == ddp["val_accuracy"]
     assert results["val_loss"] == pytest.approx(ddp["val_loss"], rel=1e-5)
     assert results["replicas_identical"] is True
+
+
+@pytest.mark.parametrize("size, world_size, batch_size, limit_batches",
+                         [(37, 2, 6, -1), (37, 2, 6, 3), (17, 2, 8, -1), (2, 3, 1, -1), (37, 3, 8, 1)])
+def test_every_rank_knows_how_many_val_forwards_the_busiest_rank_runs(size, world_size, batch_size, limit_batches):
+    """Under fsdp a rank with fewer val batches runs forwards that count for nothing up to
+    most_val_forwards, which each rank computes alone: the most batches any rank's val loader yields
+    within trainer.limit_val_batches; an empty shard evaluates one zero batch."""
+    loaders = [DataLoader(range(size), batch_size=batch_size, sampler=ShardSampler(size, world_size, rank))
+               for rank in range(world_size)]
+    batches = [len(loader) if limit_batches == -1 else min(len(loader), limit_batches) for loader in loaders]
+    assert most_val_forwards(size, world_size, batch_size, limit_batches) == max(*batches, 1)
 
 
 def test_sharded_checkpoints_are_step_dirs_with_the_last_kept(fsdp_run):
