@@ -34,10 +34,17 @@ def segmentation_loss(output, target: torch.Tensor, ignore_index: int = IGNORE_I
                       aux_weight: float = 0.5) -> torch.Tensor:
     """Mean cross-entropy over the batch's counted pixels of `out`, plus aux_weight x that of `aux` where
     the model has an auxiliary head. `output` is the model's dict (or the `out` logits, N x C x H x W);
-    target is N x H x W class ids, ignore_index where a pixel counts for nothing."""
-    loss = F.cross_entropy(_logits(output), target, ignore_index=ignore_index)
+    target is N x H x W class ids, ignore_index where a pixel counts for nothing.
+
+    A batch without a counted pixel (all its masks ignore_index) has loss 0, not the NaN of a mean over
+    nothing, which the non-finite guard would take for divergence. It still backpropagates through every
+    logit (zero gradients), so every parameter gets its gradient and DDP's ranks stay in step. Any other
+    batch's loss and gradients equal F.cross_entropy's mean bit for bit (a sum divided by the same count).
+    The count stays on the device: no host sync."""
+    pixels = (target != ignore_index).sum().clamp(min=1)
+    loss = F.cross_entropy(_logits(output), target, ignore_index=ignore_index, reduction="sum") / pixels
     if isinstance(output, dict) and output.get("aux") is not None:
-        loss = loss + aux_weight * F.cross_entropy(output["aux"], target, ignore_index=ignore_index)
+        loss = loss + aux_weight * (F.cross_entropy(output["aux"], target, ignore_index=ignore_index, reduction="sum") / pixels)
     return loss
 
 

@@ -47,6 +47,32 @@ def test_loss_is_cross_entropy_over_counted_pixels_plus_half_the_aux():
     assert segmentation_loss(out, target).item() == pytest.approx(main)
 
 
+def test_a_batch_without_counted_pixels_has_loss_zero_and_a_backward_through_every_logit():
+    """All masks ignore_index: no NaN (a mean over no pixel) for the non-finite guard to take for
+    divergence, but 0, with zero gradients for `out` and `aux` alike, so DDP's reducer still gets every
+    parameter's gradient. Any other batch: F.cross_entropy's mean, bit for bit, forward and backward."""
+    generator = torch.Generator().manual_seed(0)
+    for blank in (True, False):
+        out = torch.randn(2, 3, 4, 5, generator=generator, requires_grad=True)
+        aux = torch.randn(2, 3, 4, 5, generator=generator, requires_grad=True)
+        target = torch.randint(3, (2, 4, 5), generator=generator)
+        target[:, 0] = IGNORE_INDEX
+        if blank:
+            target[:] = IGNORE_INDEX
+        loss = segmentation_loss({"out": out, "aux": aux}, target)
+        loss.backward()
+        if blank:
+            assert loss.item() == 0.0
+            assert torch.equal(out.grad, torch.zeros_like(out)) and torch.equal(aux.grad, torch.zeros_like(aux))
+            continue
+        reference = [tensor.detach().requires_grad_() for tensor in (out, aux)]
+        expected = F.cross_entropy(reference[0], target, ignore_index=IGNORE_INDEX) + 0.5 * F.cross_entropy(
+            reference[1], target, ignore_index=IGNORE_INDEX)
+        expected.backward()
+        assert torch.equal(loss, expected)
+        assert torch.equal(out.grad, reference[0].grad) and torch.equal(aux.grad, reference[1].grad)
+
+
 def _one_hot_logits(pred: torch.Tensor, num_classes: int) -> torch.Tensor:
     return 3.0 * F.one_hot(pred, num_classes).permute(0, 3, 1, 2).float()
 

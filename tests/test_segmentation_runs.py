@@ -11,15 +11,20 @@ import csv
 import json
 import math
 
+import numpy as np
 import pytest
 import torch
 import yaml
+from PIL import Image
 from hydra import compose, initialize_config_dir
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
 import train
 from conftest import REPO, check, launch, run_dirs, shared_run
+from data.segmentation_transforms import IGNORE_INDEX
+from data.voc import build_voc
 from test_fault_tolerance import assert_bit_identical, last_checkpoint, torchrun
+from test_segmentation import _write_voc
 
 # 1 thread per process: the suite runs two test processes on two cores, and a second thread per
 # process made a training step ~30x slower there (torchrun sets the same for its workers).
@@ -197,6 +202,32 @@ def test_syncbn_two_ranks_of_batch_2_equal_one_process_of_batch_4(tmp_path):
     ddp_results, single_results = results_in(ddp_cwd), json.loads((single_dir / "results.json").read_text())
     assert ddp_results["steps"] == single_results["steps"] == 16
     assert ddp_results["val_miou"] == pytest.approx(single_results["val_miou"], abs=1e-3)
+
+
+def test_an_all_ignore_mask_at_batch_1_counts_for_nothing_under_ddp(tmp_path):
+    """A VOC training mask that is all 255 (ignore), at batch 1 on 2 ranks: one rank's batch has no
+    counted pixel while the other's has. Its loss is 0, not NaN, so the run is no "training diverged"
+    (the guard checks every step here); its backward still runs, so DDP's reducer stays in step, and the
+    weights stay finite and equal on both ranks."""
+    root = tmp_path / "voc"
+    _write_voc(root, {"blank": (16, 16), "a": (16, 16), "b": (16, 16)}, {"train": ["blank", "a"], "val": ["a", "b"]})
+    path = root / "SegmentationClass" / "blank.png"
+    palette = Image.open(path).getpalette()
+    blank = Image.fromarray(np.full((16, 16), IGNORE_INDEX, dtype=np.uint8), mode="P")
+    blank.putpalette(palette)
+    blank.save(path)
+    assert (build_voc(str(root), num_classes=4).train[0][1] == IGNORE_INDEX).all()
+    cwd = tmp_path / "run"
+    cwd.mkdir()
+    check(launch(["strategy=ddp", "task=segmentation", "data=voc", f"data.root={root}", "data.num_classes=4",
+                  "data.base_size=16", "data.crop_size=16", "data.num_workers=0", "data.batch_size=1",
+                  "model=small_segnet", "model.width=4", "trainer.max_epochs=2", "trainer.log_every_n_steps=1"],
+                 cwd, nproc=2, env=ONE_THREAD))
+    results = results_in(cwd)
+    assert results["steps"] == 2 and results["replicas_identical"] is True
+    assert math.isfinite(results["train_loss"]) and math.isfinite(results["val_loss"])
+    weights = last_checkpoint(run_dirs(cwd)[0])["model"]
+    assert all(torch.isfinite(value).all() for value in weights.values() if value.is_floating_point())
 
 
 # --- the rest of the trainer with segmentation ---------------------------------------------------
