@@ -120,6 +120,18 @@ def _truncated_sharded_checkpoint(tmp: Path) -> Path:
     return _sharded_checkpoint(tmp, index=b"")
 
 
+def _sharded_checkpoint_of_another_width(tmp: Path) -> Path:
+    """A real DCP index and shards (written by DCP in this one process) of small_cnn at channels [8, 16]."""
+    import torch.distributed.checkpoint as dcp
+
+    from models.small_cnn import SmallCNN
+
+    path = tmp.parent / f"{tmp.name}-sharded" / "step-00000001"
+    dcp.save({"model": SmallCNN(10, 3, [8, 16]).state_dict()}, checkpoint_id=path, no_dist=True)
+    torch.save({"sharded": True, "global_step": 1}, path / "state.pt")
+    return path
+
+
 FSDP = ["strategy=fsdp", "strategy.nproc_per_node=2"]  # validated in this process, as the launcher does
 
 
@@ -272,6 +284,11 @@ OUR_ERRORS = {
         QUICK + ["strategy=ddp", "strategy.nproc_per_node=2", "resume={dir}"], "resume", "strategy=ddp doesn't resume from yet",
         _sharded_checkpoint,
     ),
+    "fsdp_resuming_a_sharded_checkpoint_of_another_width": (
+        QUICK + [*FSDP, "model.channels=[8,32]", "resume={dir}"], "resume",
+        ("does not fit this model", "6 reshaped keys ['features.3.weight', 'features.4.bias', 'features.4.running_mean', ...]"),
+        _sharded_checkpoint_of_another_width,
+    ),
     "eval_of_an_unreadable_sharded_checkpoint": (
         QUICK + ["mode=eval", "resume={dir}"], "resume", "unreadable sharded checkpoint", _truncated_sharded_checkpoint,
     ),
@@ -321,6 +338,43 @@ def test_our_config_errors_are_one_line_and_exit_1_on_the_command_line(tmp_path,
     for part in (message,) if isinstance(message, str) else message:
         assert part in lines[0], lines[0]
     assert_nothing_trained(tmp_path, result)
+    assert_no_run_dir_left(tmp_path)
+
+
+def assert_no_run_dir_left(tmp_path: Path) -> None:
+    """A refused launch removes the run dir it made (claims of a torchrun launch, in outputs/.launches, are
+    pruned by a later launch: ddp/run_dir.py)."""
+    outputs = tmp_path / "outputs"
+    left = [path for path in outputs.iterdir() if path.name != ".launches"] if outputs.exists() else []
+    assert not left, [sorted(p.relative_to(tmp_path) for p in path.rglob("*")) for path in left]
+
+
+# One case of each kind of startup check (train.check_startup): the config's values, the model against the
+# data, FSDP's blocks, the best/objective settings, the schedule, a resume (here FSDP's DCP shapes).
+SELF_LAUNCHED = ["zero_lr", "image_the_model_cannot_take", "fsdp_block_type_the_model_lacks", "misspelt_objective_metric",
+                 "warmup_longer_than_the_run", "fsdp_resuming_a_sharded_checkpoint_of_another_width"]
+
+
+@pytest.mark.parametrize("case", SELF_LAUNCHED)
+def test_startup_checks_refuse_a_self_launch_in_one_line_before_any_worker(tmp_path, case):
+    """`python train.py strategy=ddp|fsdp strategy.nproc_per_node=2 ...`: the launcher runs the startup checks
+    at the launch's world size, so a refused config prints the one `error:` line, exits 1, starts no worker
+    and leaves no run dir."""
+    args, key, message, setup = OUR_ERRORS[case]
+    folder = setup(tmp_path) if setup else None
+    args = [arg.format(tmp=tmp_path, dir=folder) for arg in args]
+    if "strategy=fsdp" not in args:
+        args += ["strategy=ddp", "strategy.nproc_per_node=2"]
+    result = launch(args, cwd=tmp_path, timeout=120)
+    assert result.returncode == 1, _output(result)
+    lines = result.stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("error: "), result.stderr
+    assert key.format(tmp=tmp_path, dir=folder) in lines[0], lines[0]
+    for part in (message,) if isinstance(message, str) else message:
+        assert part in lines[0], lines[0]
+    assert "DDP workers" not in result.stdout, result.stdout  # launch_workers' first line
+    assert_nothing_trained(tmp_path, result)
+    assert_no_run_dir_left(tmp_path)
 
 
 # One case of each kind of Hydra error: an unknown option of a group, a mistyped value, an undeclared key.
@@ -367,6 +421,7 @@ def test_download_with_several_ranks_is_refused_on_every_rank(tmp_path):
     assert all(line.startswith("error: data.download=true: download with one process first") for line in ours), ours
     assert not (tmp_path / "cifar").exists()
     assert_nothing_trained(tmp_path, result, under_torchrun=True)
+    assert_no_run_dir_left(tmp_path)
 
 
 def test_torchrun_without_a_launch_id_or_shared_store_says_how_to_fix_it(tmp_path):
