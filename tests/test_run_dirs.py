@@ -1,8 +1,10 @@
 """One run dir per launch, even for launches started together, and one live run per dir: real
 processes started at the same moment in one working dir."""
 
+import hashlib
 import json
 import re
+import shutil
 import signal
 import subprocess
 import sys
@@ -11,7 +13,7 @@ import time
 import torch
 from omegaconf import OmegaConf
 
-from conftest import REPO, TINY, TORCHRUN, TRAIN, check, job_dir, job_numbers, launch, run_dirs, run_in_this_process
+from conftest import DDP_RUN, REPO, TINY, TORCHRUN, TRAIN, check, job_dir, job_numbers, launch, run_dirs, run_in_this_process
 from data import build_datasets
 from ddp.env import DistEnv
 from ddp.loaders import build_val_loader
@@ -168,3 +170,30 @@ def test_claims_are_pruned_once_their_agent_is_gone(tmp_path, monkeypatch):
     monkeypatch.chdir(tmp_path)
     _prune_dead_claims()
     assert sorted(p.name for p in claims.iterdir()) == ["live"]
+
+
+def file_digests(directory) -> dict[str, str]:
+    """Every file under `directory` (dot-files, .hydra/ and checkpoints included): its sha256."""
+    return {str(path.relative_to(directory)): hashlib.sha256(path.read_bytes()).hexdigest()
+            for path in sorted(directory.rglob("*")) if path.is_file()}
+
+
+def test_a_refused_resume_leaves_the_run_dir_byte_identical(ddp_run, tmp_path):
+    """resume=<a small_cnn run> model=resnet18 is refused in one short line that counts the mismatched keys,
+    and every file of the run dir (its .hydra/ record, .lock, logs, checkpoints) is as it was: Hydra wrote
+    the refused config there before the check ran, and the refusal puts the record back. (A copy of
+    conftest's ddp_run: 2 ranks launched by torchrun.)"""
+    (shared_dir,) = run_dirs(ddp_run[0])
+    run_dir = tmp_path / "run"
+    shutil.copytree(shared_dir, run_dir)
+    before = file_digests(run_dir)
+    data = [arg for arg in DDP_RUN if arg.startswith(("data", "trainer"))]
+    result = launch(["strategy=single", "model=resnet18", *data, f"resume={run_dir}"], tmp_path)
+    assert result.returncode == 1, result.stdout + result.stderr
+    (line,) = result.stderr.strip().splitlines()
+    assert line.startswith(f"error: resume: {run_dir}/checkpoints/last.pt does not fit this model"), line
+    assert line.endswith("122 missing keys ['bn1.bias', 'bn1.num_batches_tracked', 'bn1.running_mean', ...], "
+                         "14 unexpected keys ['features.0.weight', 'features.1.bias', 'features.1.num_batches_tracked', ...]"), line
+    assert len(line) < 300 + len(str(run_dir)), line
+    assert file_digests(run_dir) == before
+    assert not (tmp_path / "outputs").exists()
