@@ -10,7 +10,6 @@ from ddp.best import BestTracker
 from ddp.checkpoint import keep_best_checkpoints, save_step_checkpoint
 from ddp.env import DistEnv
 from ddp.fsdp import is_sharded
-from ddp.process_group import broadcast_buffers_from_rank_zero
 from ddp.resume import Position, capture_rank_state, checkpoint_state, gather_rank_states, restore_rank_state
 
 
@@ -52,8 +51,6 @@ class Checkpointer:
         if is_sharded(self.raw_model):
             from ddp.sharded_checkpoint import save_sharded_checkpoint  # DCP, imported where it's used (ddp/fsdp.py)
 
-            # DCP writes one rank's copy of each unsharded tensor: make it rank 0's BatchNorm statistics, as a file holds
-            broadcast_buffers_from_rank_zero(self.raw_model)
             state = self.state(position, rank_states, sharded=True) if self.env.is_main else {}
             path = save_sharded_checkpoint(self.raw_model, self.optimizer, state, self.run_dir, position.global_step, self.keep_last)
         elif self.env.is_main:

@@ -37,7 +37,8 @@ class FSDPStrategyConfig(StrategyConfig):
     # backward (ZeRO-2-like: more memory, less communication)
     reshard_after_forward: bool = True
     # null: the model's own (its fsdp_block_types) or the known families' (ddp/fsdp.py); else class
-    # names, e.g. [Bottleneck]: each module of these classes is sharded as one unit, then the root
+    # names, e.g. [Bottleneck]: each module of these classes is sharded as one unit, then the root;
+    # []: the root alone, the whole model as one unit
     block_types: list[str] | None = None
 
 

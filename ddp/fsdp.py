@@ -37,10 +37,10 @@ KNOWN_BLOCK_TYPES = ("BasicBlock", "Bottleneck", "EncoderBlock", "CNBlock")
 def find_blocks(model: nn.Module, block_types: list[str] | None) -> list[nn.Module]:
     """The modules to shard one by one (outermost first), by class name: `block_types`
     (strategy.block_types) if given, else the model's `fsdp_block_types`, else KNOWN_BLOCK_TYPES or
-    timm's `model.blocks`. An empty list shards the model as one unit."""
+    timm's `model.blocks`. An empty list: none, so the root is the one unit (shard_model)."""
     names = block_types if block_types is not None else getattr(model, "fsdp_block_types", KNOWN_BLOCK_TYPES)
     blocks = [module for module in model.modules() if type(module).__name__ in names and module is not model]
-    if block_types is not None and not blocks:
+    if block_types and not blocks:
         present = sorted({type(module).__name__ for module in model.modules()} - {type(model).__name__})
         raise ConfigError(f"strategy.block_types={list(block_types)}: {type(model).__name__} has no module of these "
                           f"classes; pick from {', '.join(present)}, or strategy.block_types=null")
@@ -61,7 +61,8 @@ LOW_PRECISION = {"bf16": torch.bfloat16, "16": torch.float16}
 def shard_model(model: nn.Module, strategy_cfg, device: torch.device, precision: str) -> nn.Module:
     """fully_shard each block (innermost first), then the root, over a 1-D mesh of every rank. Returns
     `model` itself, now an FSDPModule whose parameters are DTensor shards. precision=bf16|16: each
-    BatchNorm layer first, computing in float32 (module docstring).
+    BatchNorm layer first, computing in float32 (module docstring). strategy.block_types=[]: no
+    blocks, so the root holds every other parameter as one unit, gathered whole for each forward.
 
     FSDP doesn't broadcast rank 0's initial weights (pytorch#148756): each rank keeps its slice of its
     own. The same seed builds the same model everywhere; a rank-dependent init is refused here, before

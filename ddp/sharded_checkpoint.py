@@ -29,12 +29,14 @@ from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 
 from ddp.checkpoint import SHARDED_STATE, CheckpointError, check_sharded_index, checkpoint_dir, fsync_dir, save_checkpoint
+from ddp.process_group import broadcast_buffers_from_rank_zero
 
 
 def save_sharded_checkpoint(model: nn.Module, optimizer, state: dict[str, Any], run_dir: Path, step: int,
                             keep_last: int) -> Path:
     """A collective: every rank writes its shards; rank 0 writes `state` and publishes `step-<step>/`,
-    then keeps only the newest `keep_last` sharded checkpoints."""
+    then keeps only the newest `keep_last` sharded checkpoints. The buffers saved are rank 0's (its
+    BatchNorm statistics, as a checkpoint file holds), whatever each rank's were."""
     directory = checkpoint_dir(run_dir)
     final, tmp = directory / f"step-{step:08d}", directory / f".step-{step:08d}.tmp"
     is_main = dist.get_rank() == 0
@@ -43,6 +45,8 @@ def save_sharded_checkpoint(model: nn.Module, optimizer, state: dict[str, Any], 
         for stale in directory.glob(".step-*.tmp"):  # left by a killed save
             shutil.rmtree(stale)
     dist.barrier()  # nobody writes into the temp dir before it is clean
+    # FSDP doesn't shard buffers, and DCP writes one rank's copy of each, not necessarily rank 0's
+    broadcast_buffers_from_rank_zero(model)
     model_state, optimizer_state = get_state_dict(model, optimizer)
     dcp.save({"model": model_state, "optimizer": optimizer_state["state"]}, checkpoint_id=tmp)
     if is_main:
@@ -69,7 +73,7 @@ def load_sharded_state(path: Path, model: nn.Module, optimizer, param_groups: li
 def full_model_state(path: Path) -> dict[str, torch.Tensor]:
     """The sharded checkpoint's model as one plain state_dict of full tensors, read in this process
     alone (no process group, any world size and strategy): DCP fills tensors of the saved full shapes
-    from every rank's shards. Buffers are rank 0's (Checkpointer saves those)."""
+    from every rank's shards. Buffers are rank 0's (save_sharded_checkpoint saves those)."""
     check_sharded_index(path)
     try:
         metadata = FileSystemReader(path).read_metadata()

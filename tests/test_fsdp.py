@@ -27,12 +27,14 @@ from ddp.checkpoint import CheckpointError, load_checkpoint, load_latest_checkpo
 from ddp.evaluation import most_val_forwards
 from ddp.export import export_model
 from ddp.samplers import ShardSampler
+from ddp.sharded_checkpoint import full_model_state
 from models.small_cnn import SmallCNN
 from models.weights import load_weights
 from test_elastic import records
 from test_fault_tolerance import _CreatesFileWhenUnpickled, assert_same_state, torchrun
 from test_segmentation_runs import GRID, LEARN, learned  # noqa: F401, F811 (learned: a fixture)
 from test_sweeps import assert_one_run_per_job_dir, job_dirs, shared_sweep, summary_rows, the_sweep_dir
+from workers import fsdp_init as fsdp_worker
 
 # DDP_RUN's training (conftest: 2 ranks x batch 8 with SyncBN, 16 steps) under fsdp, saving every 5
 # steps (the last 3 kept: 10, 15, 16), each rank recording the samples it trains. Validation at batch 6
@@ -172,25 +174,68 @@ def test_resume_at_another_world_size_trains_every_sample_once(fsdp_run, tmp_pat
         assert evaluated["val_loss"] == pytest.approx(one_process["val_loss"], rel=1e-6)
 
 
-def test_every_rank_starts_from_the_same_weights_and_bf16_keeps_batchnorm_in_float32(tmp_path):
+def run_fsdp_parts(out: Path) -> dict:
+    result = subprocess.run([str(TORCHRUN), "--nproc_per_node=2", str(REPO / "tests" / "workers" / "fsdp_init.py"), str(out)],
+                            cwd=REPO, capture_output=True, text=True, timeout=120, env=os.environ | {"PYTHONPATH": str(REPO)})
+    check(result)
+    return {}
+
+
+@pytest.fixture
+def fsdp_parts(tmp_path_factory) -> Path:
+    """tests/workers/fsdp_init.py on 2 ranks, once for all test processes: the dir it wrote to."""
+    return shared_run("fsdp_parts", run_fsdp_parts, tmp_path_factory)[0]
+
+
+def test_every_rank_starts_from_the_same_weights_and_bf16_keeps_batchnorm_in_float32(fsdp_parts):
     """FSDP keeps each rank's slice of its own init (pytorch#148756): the full weights that 2 ranks'
     shards make up are those of the model built in one process with the seed; a model whose init
     depends on the rank is refused on every rank before it is sharded."""
-    result = subprocess.run([str(TORCHRUN), "--nproc_per_node=2", str(REPO / "tests" / "workers" / "fsdp_init.py"), str(tmp_path)],
-                            cwd=REPO, capture_output=True, text=True, timeout=120, env=os.environ | {"PYTHONPATH": str(REPO)})
-    check(result)
     torch.manual_seed(0)
     one_process = SmallCNN(num_classes=10, in_channels=3, channels=[8, 16]).state_dict()
-    assert_same_state(torch.load(tmp_path / "full.pt", weights_only=True), one_process)
+    assert_same_state(torch.load(fsdp_parts / "full.pt", weights_only=True), one_process)
     for rank in (0, 1):
-        assert "the ranks built different initial weights" in (tmp_path / f"refusal_rank{rank}.txt").read_text()
+        assert "the ranks built different initial weights" in (fsdp_parts / f"refusal_rank{rank}.txt").read_text()
     # precision=bf16 (MixedPrecisionPolicy): convolutions compute in bf16, BatchNorm in float32, the
     # output (and so the loss) is float32, and the sharded parameters stay float32
-    assert json.loads((tmp_path / "bf16_dtypes.json").read_text()) == {
+    assert json.loads((fsdp_parts / "bf16_dtypes.json").read_text()) == {
         "parameters": ["torch.float32"], "model_output": "torch.float32",
         "conv": {"input": "torch.bfloat16", "weight": "torch.bfloat16"},
         "batchnorm": {"input": "torch.float32", "weight": "torch.float32"},
     }
+
+
+def test_empty_block_types_shard_the_whole_model_as_one_unit_that_trains_as_one_process(fsdp_parts):
+    """strategy.block_types=[]: the root is the only FSDP unit, and one SGD step of 2 ranks on the same
+    batch ends where one process's step on it does."""
+    assert json.loads((fsdp_parts / "root_alone.json").read_text()) == {"units": [""]}
+    torch.manual_seed(0)
+    model = SmallCNN(num_classes=10, in_channels=3, channels=[8, 16])
+    images, targets = fsdp_worker.batch(1)
+    torch.nn.functional.cross_entropy(model(images), targets).backward()
+    torch.optim.SGD(model.parameters(), lr=0.1).step()
+    sharded = torch.load(fsdp_parts / "root_alone.pt", weights_only=True)
+    assert sharded.keys() == model.state_dict().keys()
+    for key, expected in model.state_dict().items():
+        torch.testing.assert_close(sharded[key], expected, msg=lambda m, key=key: f"{key}: {m}")
+
+
+def test_an_inf_in_one_ranks_gradient_shard_skips_the_fp16_update_on_every_rank(fsdp_parts):
+    """precision=16 under fsdp (ShardedGradScaler): rank 1's gradient shard holds an inf in the second
+    update, so every rank skips it (its shards unchanged) and halves its loss scale alike; a scaler
+    that looked at its own shards only would step rank 0's."""
+    for rank in (0, 1):
+        record = json.loads((fsdp_parts / f"inf_rank{rank}.json").read_text())
+        assert record == {"scales": [2.0**16, 2.0**15], "changed": [True, False]}, rank
+
+
+def test_a_sharded_checkpoint_holds_rank_zeros_batchnorm_statistics(fsdp_parts):
+    """Each rank normalised its own batch (as without SyncBN), so their running statistics differ:
+    the checkpoint holds rank 0's, as a checkpoint file does, and so do its export and mode=eval."""
+    saved = full_model_state(fsdp_parts / "saved" / "checkpoints" / "step-00000001")
+    ranks = [torch.load(fsdp_parts / f"buffers_rank{rank}.pt", weights_only=True) for rank in (0, 1)]
+    assert not torch.equal(ranks[0]["features.1.running_mean"], ranks[1]["features.1.running_mean"])
+    assert_same_state({key: saved[key] for key in ranks[0]}, ranks[0])
 
 
 def test_each_rank_holds_about_half_of_ddps_parameters_gradients_and_optimizer_state(fsdp_run, ddp_run):
