@@ -14,10 +14,13 @@ from omegaconf import DictConfig, OmegaConf
 from torch.distributed.elastic.multiprocessing.api import SignalException
 from torch.distributed.launcher.api import LaunchConfig, elastic_launch
 
+from ddp.config import ConfigError
 from ddp.preemption import Interrupted
 
 log = logging.getLogger(__name__)
 
+# A worker's result that is a refusal (a ConfigError found only in a worker: mode=eval's checkpoint checks).
+CONFIG_ERROR = "config_error"
 # The same line format as hydra.job_logging in conf/config.yaml: spawned workers have no Hydra logging.
 LOG_FORMAT = "[%(asctime)s][rank {rank}][%(name)s][%(levelname)s] %(message)s"
 
@@ -51,6 +54,8 @@ def launch_workers(run: Callable, cfg: DictConfig, run_dir: Path, relaunch: str,
         for worker in multiprocessing.active_children():
             os.kill(worker.pid, stop.sigval)
         raise Interrupted(stop.sigval) from None
+    if CONFIG_ERROR in returns[0]:
+        raise ConfigError(returns[0][CONFIG_ERROR])
     return returns[0]
 
 
@@ -65,4 +70,10 @@ def _worker(run: Callable, container: dict, run_dir: str, relaunch: str, job_nam
         handlers=[logging.StreamHandler(sys.stdout), logging.FileHandler(Path(run_dir) / f"{job_name}_rank{rank}.log")],
         force=True,
     )
-    return run(OmegaConf.create(container), Path(run_dir), relaunch)
+    try:
+        return run(OmegaConf.create(container), Path(run_dir), relaunch)
+    except ConfigError as error:
+        # Every rank refuses alike (the checks are the same on each): the launcher prints the one line,
+        # where a failed worker would print the agent's tracebacks (one a rank) and torch's error summary.
+        return {CONFIG_ERROR: str(error)}
+
