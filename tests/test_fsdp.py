@@ -325,8 +325,9 @@ FSDP_UNITS = 4
 
 def test_accumulation_and_clipping_under_fsdp_train_as_one_process(tmp_path):
     """Gradients are reduce-scattered once per update, after its last micro-batch (each unit once;
-    counted from outside the product code by tests/workers/instrumented_train.py), and the run ends
-    with one process's weights and logged gradient norms."""
+    counted from outside the product code by tests/workers/instrumented_train.py), as SUMs that FSDP
+    then divides (an AVG reduce-scatter on gloo has summed, pytorch#162338), and the run ends with one
+    process's weights and logged gradient norms."""
     (tmp_path / "fsdp").mkdir()
     check(launch(["strategy=fsdp", *ACCUMULATED, "data.batch_size=4", "trainer.accumulate_grad_batches=2"], tmp_path / "fsdp",
                  nproc=2, env={"WATCH_DIR": str(tmp_path), "WATCH_TENSORS": "0"}, script=INSTRUMENTED))
@@ -334,6 +335,8 @@ def test_accumulation_and_clipping_under_fsdp_train_as_one_process(tmp_path):
         syncs = json.loads((tmp_path / f"syncs_rank{rank}.json").read_text())
         scatters = [steps_done for steps_done, name in syncs if name == "reduce_scatter_single"]
         assert scatters == [update for update in range(8) for _ in range(FSDP_UNITS)], scatters
+        ops = json.loads((tmp_path / f"reduce_scatter_ops_rank{rank}.json").read_text())
+        assert ops == ["RedOpType.SUM"] * len(scatters), ops
     runs = {"fsdp": run_dirs(tmp_path / "fsdp")[0], "single": tmp_path / "single"}
     run_in_this_process(["strategy=single", *ACCUMULATED, "data.batch_size=16"], runs["single"])
     fsdp = full_state(step_dir(tmp_path / "fsdp", 8), tmp_path)["model"]

@@ -2,7 +2,8 @@
 
 - `syncs_rank<R>.json`: every collective (FSDP's gradient reduce-scatters, `reduce_scatter_single`,
   too) and every tensor-to-host read (`.item()`, `.tolist()`), tagged with the number of optimizer
-  steps done when it happened (a global optimizer-step hook counts them);
+  steps done when it happened (a global optimizer-step hook counts them); `reduce_scatter_ops_rank<R>.json`:
+  the reduction op of each reduce-scatter (SUM, AVG, ...);
 - `host_reads_rank<R>.json`: [steps done, kind, where] for every host read of a tensor's value however
   it is made (`bool()`, `int()`, `float()` and torch's own reads too) and every copy between devices,
   seen by workers/host_reads.py's dispatch mode;
@@ -44,6 +45,7 @@ RANK = int(os.environ["RANK"])
 WATCH_TENSORS = os.environ.get("WATCH_TENSORS", "1") == "1"
 steps_done = [0]
 events: list[tuple[int, str]] = []
+reduce_scatter_ops: list[str] = []
 host_reads: list[tuple[int, str, str]] = []
 convs: set[tuple[bool, str]] = set()
 applied_grad_norms: list[torch.Tensor] = []  # read only after the run, so the watcher adds no host read
@@ -56,6 +58,8 @@ def _count_steps(optimizer, args, kwargs) -> None:
 def _recorded(name, function):
     def wrapper(*args, **kwargs):
         events.append((steps_done[0], name))
+        if name == "reduce_scatter_single":
+            reduce_scatter_ops.append(str(kwargs.get("op", dist.ReduceOp.SUM)))
         return function(*args, **kwargs)
     return wrapper
 
@@ -122,6 +126,7 @@ if __name__ == "__main__":  # not when DataLoader workers' start-up imports this
         from torch._dynamo.utils import counters
 
         (WATCH_DIR / f"syncs_rank{RANK}.json").write_text(json.dumps(events))
+        (WATCH_DIR / f"reduce_scatter_ops_rank{RANK}.json").write_text(json.dumps(reduce_scatter_ops))
         (WATCH_DIR / f"host_reads_rank{RANK}.json").write_text(json.dumps(host_reads))
         (WATCH_DIR / f"no_sync_rank{RANK}.txt").write_text(str(no_sync_calls[0]))
         (WATCH_DIR / f"convs_rank{RANK}.json").write_text(json.dumps(sorted(convs)))
