@@ -138,6 +138,8 @@ class DirSnapshot:
 
     @classmethod
     def of(cls, directory: Path, made: bool) -> "DirSnapshot":
+        if made:  # empty before the launch, whatever another rank of it has written by now
+            return cls(directory, made, dict.fromkeys(RECORD), {}, frozenset())
         record = {name: (directory / name).read_bytes() if (directory / name).is_file() else None for name in RECORD}
         logs = {path.name: path.stat().st_size for path in directory.glob("*.log")}
         names = frozenset(path.name for path in directory.iterdir()) if directory.is_dir() else frozenset()
@@ -146,12 +148,13 @@ class DirSnapshot:
     def restore(self, is_main: bool) -> None:
         """Put back what this process may have written: on rank 0, the RECORD files (the lock is rank 0's
         and .hydra/ too); on every rank, the logs (they only grow: cut back, or removed if new). A dir the
-        launch made goes once empty. Nothing happens if the launch wrote anything else (it trained)."""
+        launch made is emptied of them by every rank (torchrun may stop rank 0 before it gets here once
+        another rank has failed), and goes. Nothing happens if the launch wrote anything else (it trained)."""
         directory = self.directory
         if not directory.is_dir() or any(name not in (".hydra", ".lock") and not name.endswith(".log")
                                          for name in {path.name for path in directory.iterdir()} - self.names):
             return
-        if is_main:
+        if is_main or self.made:
             for name, content in self.record.items():
                 if content is None:
                     (directory / name).unlink(missing_ok=True)
