@@ -115,7 +115,7 @@ def fit(cfg: DictConfig, env: DistEnv, device: torch.device, gpus: list[int], me
         position, rank_state = resume_training(resumed, update, lr, length.total_updates, cfg.data.batch_size,
                                                env.world_size, env.rank, len(splits.train))
     position.epoch_totals = position.epoch_totals.to(device)
-    best = BestTracker.of(cfg.checkpoint, cfg.trainer, cfg.task, device, resumed[1] if resumed else None)  # a resume's record goes on
+    best = BestTracker.of(cfg.checkpoint, cfg.trainer, cfg.task, resumed[1] if resumed else None)  # a resume's record goes on
     validator = Validator(model, raw_model, ema, val_loader, device, cfg.trainer.limit_val_batches, task,
                           strategy=cfg.strategy.name, syncbn=cfg.syncbn)
     checkpointer = Checkpointer(run_dir, cfg.checkpoint, env, update, raw_model, train_loader.generator, gpus,

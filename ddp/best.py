@@ -1,11 +1,12 @@
 """The best validation so far: which steps' checkpoints to keep as best-<step>.pt, what results.json
 and TensorBoard report as best, and when to stop early.
 
-Every rank keeps the same record: each validation's metric is taken from rank 0 (a broadcast), so every
-rank takes the same decisions (keep this step, stop now) at the same step. After the all_reduce in
-evaluate() the ranks' metrics are equal anyway; the broadcast makes it a guarantee rather than a
-property of the backend's reduction order. The record goes into every checkpoint (`state_dict`), so a
-resumed run keeps its best, its kept files and its patience count.
+Every rank keeps the same record and takes the same decisions (keep this step, stop now) at the same
+step, with no collective of its own: a validation's metrics are the task's `metrics` of the sums that
+evaluate()'s one all_reduce leaves bitwise identical on every rank (torch.distributed.all_reduce's
+documented guarantee), and a task's metrics are a function of those sums alone (tasks/__init__.py).
+The record goes into every checkpoint (`state_dict`), so a resumed run keeps its best, its kept files
+and its patience count.
 """
 
 import difflib
@@ -15,7 +16,6 @@ import math
 import torch
 
 from ddp.config import ConfigError
-from ddp.process_group import broadcast_from_rank_zero
 
 log = logging.getLogger("train")  # the run's own console lines, under the script's name
 
@@ -93,9 +93,9 @@ class BestTracker:
     larger than `min_delta` over the best that last reset the count, the run stops (None: never)."""
 
     def __init__(self, *, metric: str, direction: str, keep_best: int, patience: int | None, min_delta: float,
-                 max_epochs: int, device: torch.device):
+                 max_epochs: int):
         self.metric, self.maximize, self.keep_best = metric, direction == "maximize", keep_best
-        self.patience, self.min_delta, self.max_epochs, self.device = patience, min_delta, max_epochs, device
+        self.patience, self.min_delta, self.max_epochs = patience, min_delta, max_epochs
         self.best: dict | None = None  # {"value", "step", "epoch", "metrics"} of the best validation
         self.kept: list[list] = []  # [value, step] of the kept best-<step>.pt, best first
         self.reference: float | None = None  # the value that last reset the patience count
@@ -108,7 +108,7 @@ class BestTracker:
 
     def update(self, metrics: dict[str, float], step: int, epoch: int) -> None:
         """After a validation at `step` (every rank, the same step: a collective)."""
-        value = broadcast_from_rank_zero(metrics[self.metric], self.device)
+        value = metrics[self.metric]
         if math.isnan(value):
             value = -math.inf if self.maximize else math.inf  # never the best
         if self.best is None or self._better(value, self.best["value"]):
@@ -157,11 +157,11 @@ class BestTracker:
                 "max_epochs": self.max_epochs}
 
     @classmethod
-    def of(cls, checkpoint_cfg, trainer_cfg, task_cfg, device: torch.device, checkpoint: dict | None) -> "BestTracker":
+    def of(cls, checkpoint_cfg, trainer_cfg, task_cfg, checkpoint: dict | None) -> "BestTracker":
         """The run's tracker; a resumed run (`checkpoint`) keeps its record and its patience count."""
         tracker = cls(metric=ranked_metric(task_cfg.objective, checkpoint_cfg.best_of), direction=task_cfg.direction,
                       keep_best=checkpoint_cfg.keep_best, patience=trainer_cfg.early_stop_patience,
-                      min_delta=trainer_cfg.early_stop_min_delta, max_epochs=trainer_cfg.max_epochs, device=device)
+                      min_delta=trainer_cfg.early_stop_min_delta, max_epochs=trainer_cfg.max_epochs)
         if checkpoint is not None:
             tracker.load_state_dict(checkpoint.get("best"))
         return tracker

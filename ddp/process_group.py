@@ -82,15 +82,6 @@ def all_reduce_sum(tensor: torch.Tensor) -> torch.Tensor:
     return tensor
 
 
-def broadcast_from_rank_zero(value: float, device: torch.device) -> float:
-    """Rank 0's `value` on every rank (`value` itself for one process)."""
-    if not (dist.is_available() and dist.is_initialized()):
-        return value
-    tensor = torch.tensor([value], dtype=torch.float64, device=device)
-    dist.broadcast(tensor, src=0)
-    return tensor.item()
-
-
 def gather_per_rank(values: list[float], device: torch.device) -> list[list[float]]:
     """Every rank's `values`, in rank order, on every rank (one all_gather; [values] for one process)."""
     local = torch.tensor(values, dtype=torch.float64, device=device)
