@@ -1,8 +1,10 @@
 """strategy=fsdp under torchrun (CPU, gloo): the same training as DDP and as one process at the global
-batch, for both tasks; exact evaluation; sharded checkpoints that resume bit-identically at the same
-world size and with every sample trained once at another, and whose loading runs no pickled code;
-mixed precision through FSDP's policy, in a sweep. Runs that several tests read are shared by the
-test processes (conftest.shared_run); the one-process sides run in the test process."""
+batch, for both tasks, with SUM reduce-scatters on gloo; exact evaluation, on ranks holding unequal
+numbers of val batches; sharded checkpoints that hold rank 0's buffers, resume bit-identically at the
+same world size and with every sample trained once at another, and whose loading runs no pickled code;
+mixed precision through FSDP's policy, in a sweep, with an inf on one rank's fp16 gradient shard
+skipping the update on every rank; the whole model as one unit. Runs that several tests read are
+shared by the test processes (conftest.shared_run); the one-process sides run in the test process."""
 
 import json
 import os
