@@ -2,6 +2,7 @@
 strategy=fsdp's are dirs of shards (ddp/sharded_checkpoint.py); their state.pt is written and read here,
 and their DCP index (a pickle, which torch's reader unpickles with no restriction) is checked here first."""
 
+import errno
 import logging
 import os
 import pickle
@@ -24,6 +25,11 @@ class CheckpointError(Exception):
     """A checkpoint that can't or mustn't be loaded."""
 
 
+class DiskFull(Exception):
+    """A save that found no space left on its device. What was saved before is intact: the run can
+    continue from it once there is space."""
+
+
 def checkpoint_dir(run_dir: Path) -> Path:
     return run_dir / "checkpoints"
 
@@ -32,7 +38,8 @@ def save_checkpoint(state: dict[str, Any], path: Path) -> None:
     """Write to a temp file in the same dir, fsync, then rename over `path`.
 
     A save that dies (full disk, kill, an error while pickling) leaves the previous file intact;
-    a temp file left by a killed save is removed by the next save.
+    a temp file left by a killed save is removed by the next save. A full disk raises DiskFull, one
+    line naming the path, the cause and the free space.
     """
     path.parent.mkdir(parents=True, exist_ok=True)
     for stale in path.parent.glob(".*.tmp"):
@@ -45,12 +52,27 @@ def save_checkpoint(state: dict[str, Any], path: Path) -> None:
             os.fsync(f.fileno())
         os.replace(tmp_name, path)
     except BaseException as error:
+        written_mb = os.stat(tmp_name).st_size / 2**20 if os.path.exists(tmp_name) else 0.0
+        full = _no_space_left(error, path.parent)  # asked before the temp file's removal frees its space
         Path(tmp_name).unlink(missing_ok=True)
+        if full:
+            free_mb = shutil.disk_usage(path.parent).free / 2**20
+            raise DiskFull(f"saving {path} failed: no space left on device ({path.parent} has {free_mb:.1f} MB free, and "
+                           f"the save needs more than the {written_mb:.1f} MB it wrote); what was saved before is intact") from None
         if isinstance(error, RuntimeError):  # torch hides the errno ("unexpected pos ..." on a full disk)
             free_mb = shutil.disk_usage(path.parent).free / 2**20
             raise RuntimeError(f"saving {path} failed, the previous checkpoint is intact ({free_mb:.0f} MB free): {error}") from error
         raise
     fsync_dir(path.parent)
+
+
+def _no_space_left(error: BaseException, directory: Path) -> bool:
+    """Whether a failed write ran out of space. torch.save's own writer hides the errno ("[enforce fail
+    at inline_container.cc] unexpected pos ..."), so a RuntimeError counts where the device has less
+    than 1 MiB left: a write fails on a full disk with only a partial block free."""
+    if isinstance(error, OSError):
+        return error.errno in (errno.ENOSPC, errno.EDQUOT)
+    return isinstance(error, RuntimeError) and shutil.disk_usage(directory).free < 2**20
 
 
 def save_step_checkpoint(state: dict[str, Any], run_dir: Path, step: int, keep_last: int) -> Path:

@@ -7,7 +7,7 @@ import torch.distributed as dist
 from torch import nn
 
 from ddp.best import BestTracker
-from ddp.checkpoint import keep_best_checkpoints, save_step_checkpoint
+from ddp.checkpoint import DiskFull, keep_best_checkpoints, save_step_checkpoint
 from ddp.env import DistEnv
 from ddp.fsdp import is_sharded
 from ddp.resume import Position, capture_rank_state, checkpoint_state, gather_rank_states, restore_rank_state
@@ -45,20 +45,31 @@ class Checkpointer:
             keep_best_checkpoints(self.run_dir, self.best.kept_steps())
 
     def save(self, position: Position) -> None:
-        """A collective: every rank calls it at the same step."""
+        """A collective: every rank calls it at the same step. A full disk at rank 0's save raises
+        DiskFull on every rank, with rank 0's line."""
         self.update.check_finite(position.global_step, self.raw_model)
         rank_states = gather_rank_states(capture_rank_state(self.loader_generator, position.epoch_totals, self.cuda_devices))
-        if is_sharded(self.raw_model):
-            from ddp.sharded_checkpoint import save_sharded_checkpoint  # DCP, imported where it's used (ddp/fsdp.py)
+        full = None
+        try:
+            if is_sharded(self.raw_model):
+                from ddp.sharded_checkpoint import save_sharded_checkpoint  # DCP, imported where it's used (ddp/fsdp.py)
 
-            state = self.state(position, rank_states, sharded=True) if self.env.is_main else {}
-            path = save_sharded_checkpoint(self.raw_model, self.optimizer, state, self.run_dir, position.global_step, self.keep_last)
-        elif self.env.is_main:
-            path = save_step_checkpoint(self.state(position, rank_states), self.run_dir, position.global_step, self.keep_last)
-        if self.env.is_main and self.best.save_step == position.global_step:
-            keep_best_checkpoints(self.run_dir, self.best.kept_steps(), saved=(position.global_step, path))
+                state = self.state(position, rank_states, sharded=True) if self.env.is_main else {}
+                path = save_sharded_checkpoint(self.raw_model, self.optimizer, state, self.run_dir, position.global_step, self.keep_last)
+            elif self.env.is_main:
+                path = save_step_checkpoint(self.state(position, rank_states), self.run_dir, position.global_step, self.keep_last)
+            if self.env.is_main and self.best.save_step == position.global_step:
+                keep_best_checkpoints(self.run_dir, self.best.kept_steps(), saved=(position.global_step, path))
+        except DiskFull as error:
+            full = str(error)
         if dist.is_initialized():
-            dist.barrier()  # nobody runs ahead (or exits) before the checkpoint exists
+            # rank 0's word on its save, which nobody runs ahead of (or exits before), as a barrier would:
+            # on a full disk every rank stops with its line, none with a "connection reset" from a peer gone
+            word = [full]
+            dist.broadcast_object_list(word, src=0)
+            full = word[0]
+        if full:
+            raise DiskFull(full)
         self.saved_step = position.global_step
 
     def state(self, position: Position, rank_states: list[dict], sharded: bool = False) -> dict:

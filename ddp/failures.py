@@ -1,16 +1,18 @@
-"""How a job ends when its run fails or is interrupted: a config error (its run dir put back as it was)
-or divergence as one line and exit 1, a sweep's job failing alone (without the frames that hold its
-run), a sweep under torchrun stopped at once."""
+"""How a job ends when its run fails or is interrupted: a config error (its run dir put back as it was),
+divergence or a full disk as one line and exit 1, a sweep's job failing alone (without the frames that
+hold its run), a sweep under torchrun stopped at once."""
 
 import logging
 import signal
 import sys
+from pathlib import Path
 
 from hydra.types import RunMode
 
+from ddp.checkpoint import DiskFull, checkpoint_dir
 from ddp.config import ConfigError
 from ddp.env import DistEnv
-from ddp.preemption import Interrupted
+from ddp.preemption import Interrupted, resume_command
 from ddp.run_dir import undo_refused_launch
 from ddp.sweep_summary import record_failed_job
 from ddp.update import Diverged
@@ -31,6 +33,15 @@ def drop_traceback(error: BaseException) -> BaseException:
     return error
 
 
+def _how_to_continue(hydra_cfg, env: DistEnv) -> str:
+    """The command that resumes the run (as a stop prints it), or a fresh start where it saved nothing yet."""
+    run_dir = Path(hydra_cfg.runtime.output_dir)
+    if not any(checkpoint_dir(run_dir).glob("step-*")):
+        return "run it again (no checkpoint of this run was saved yet)"
+    nproc_per_node = env.local_world_size if env.launched else None
+    return f"continue with  {resume_command(sys.argv[0], list(hydra_cfg.overrides.task), nproc_per_node, run_dir)}"
+
+
 def end_failed_job(error: BaseException, hydra_cfg, cfg, env: DistEnv) -> BaseException:
     """Call it in the `except` that caught `error` (the job's run raised it): exits the process, or
     returns the exception for the caller to raise."""
@@ -42,7 +53,9 @@ def end_failed_job(error: BaseException, hydra_cfg, cfg, env: DistEnv) -> BaseEx
         record_failed_job(hydra_cfg, cfg, Interrupted(signal.SIGINT))
         sys.stderr.write("error: interrupted before or after training: exiting; nothing more was saved\n")
         sys.exit(130)
-    if isinstance(error, (ConfigError, Diverged)):
+    if isinstance(error, DiskFull):
+        error = DiskFull(f"{error}: free some space, then {_how_to_continue(hydra_cfg, env)}")
+    if isinstance(error, (ConfigError, Diverged, DiskFull)):
         # without the frames that hold it, the run's DataLoader shuts its workers down now, before the line
         drop_traceback(error)
         if isinstance(error, ConfigError):

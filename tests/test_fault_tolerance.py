@@ -41,7 +41,7 @@ from conftest import EXACT_DATA as DATA
 from conftest import EXACT_DDP as EXACT
 from conftest import EXACT_SINGLE as EXTEND
 from conftest import (EXACT_SINGLE_STEPS, REPO, TORCHRUN, TRAIN, check, config_error_in_this_process, last_checkpoint,
-                      run_in_this_process, shared_run_in_this_process)
+                      run_dirs, run_in_this_process, shared_run_in_this_process)
 from ids_and_noise import IdsAndNoise
 from ddp.checkpoint import CheckpointError, load_checkpoint, save_checkpoint, save_step_checkpoint
 from ddp.env import DistEnv
@@ -335,6 +335,59 @@ def test_save_killed_midway_keeps_the_previous_checkpoint_and_the_next_save_clea
 
 
 # 7 ---------------------------------------------------------------------------------------------
+
+# A run on a disk of its own that fills up: a tmpfs of 1000 KiB mounted in a mount namespace of this
+# script's own (nothing outlives it, whatever happens to the test), in `disk/` of the working dir. The
+# run's first checkpoint (about 640 KB, with the optimizer's momentum) fits, the second doesn't. Then
+# the tmpfs grows to 64 MiB (space freed) and the command the error printed runs. What each step
+# left is copied out for the test to read.
+FULL_DISK_SCRIPT = r"""
+mkdir disk && mount -t tmpfs -o size=1000k tmpfs disk && cd disk || exit 10
+$LAUNCH "$TRAIN" "$@" 2>"$OUT/full.err"; echo $? >"$OUT/full.rc"
+mkdir "$OUT/left" && cp -a outputs "$OUT/left/"
+mount -o remount,size=64m tmpfs "$PWD" || exit 11
+command=$(sed -n 's/.*continue with  //p' "$OUT/full.err")
+[ -n "$command" ] || exit 12
+eval "$command" 2>"$OUT/resumed.err"; echo $? >"$OUT/resumed.rc"
+mkdir "$OUT/resumed" && cp -a outputs "$OUT/resumed/"
+"""
+# 12 steps of 8 samples per rank: saves at steps 4 (fits), 8 (doesn't) and 12.
+FULL_DISK_RUN = ["data=synthetic", "data.num_val_samples=8", "data.image_size=8", "data.batch_size=8",
+                 "model.channels=[64,128]", "trainer.max_epochs=1", "checkpoint.every_n_steps=4", "checkpoint.keep_best=0"]
+
+
+@pytest.mark.parametrize("launch, ranks", [("python", 1), ("torchrun --nproc_per_node=2", 2)])
+def test_a_full_disk_at_a_save_is_one_line_with_the_command_that_resumes_once_space_is_freed(tmp_path, launch, ranks):
+    """A real full disk at the step-8 save: torch's own error hides the errno ("unexpected pos ..."),
+    yet the run ends with exit 1 and one line naming the path, the cause, the free space and the
+    command that resumes, on every rank (rank 0 saves; the others get its word instead of a lost
+    peer); the step-4 checkpoint is intact and no temp file is left. Once space is freed, that
+    command continues the run to its end."""
+    namespace = ["unshare", "--mount"] if os.geteuid() == 0 else ["unshare", "--user", "--map-root-user", "--mount"]
+    env = _clean_env() | {"PATH": f"{Path(sys.executable).parent}{os.pathsep}{os.environ['PATH']}", "TRAIN": str(TRAIN),
+                          "OUT": str(tmp_path), "LAUNCH": launch}
+    script = subprocess.run([*namespace, "bash", "-c", FULL_DISK_SCRIPT, "full-disk", *FULL_DISK_RUN,
+                             f"data.num_samples={96 * ranks}", "strategy=single" if ranks == 1 else "strategy=ddp"], cwd=tmp_path, env=env, capture_output=True, text=True, timeout=180)
+    error = (tmp_path / "full.err").read_text() if (tmp_path / "full.err").exists() else ""
+    assert script.returncode == 0, output(script) + error[-4000:]
+    assert (tmp_path / "full.rc").read_text().strip() == "1", error
+    lines = [line for line in error.splitlines() if line.startswith("error:")]
+    assert len(lines) == ranks and len(set(lines)) == 1, error[-8000:]
+    if ranks == 1:
+        assert error.splitlines() == lines  # nothing else: no traceback, no torch enforce message
+    assert "inline_container" not in error and "Connection reset" not in error, error[-8000:]
+    (run_dir,) = run_dirs(tmp_path / "left")
+    assert re.fullmatch(rf"error: saving {tmp_path}/disk/outputs/{run_dir.name}/checkpoints/step-00000008.pt failed: "
+                        r"no space left on device \(\S+ has \d+\.\d MB free, and the save needs more than the \d+\.\d MB it "
+                        rf"wrote\); what was saved before is intact: free some space, then continue with  {launch} \S+/train.py "
+                        rf".*checkpoint.keep_best=0 data.num_samples={96 * ranks} strategy=\w+ resume=outputs/{run_dir.name}", lines[0]), lines[0]
+    checkpoints = run_dir / "checkpoints"
+    assert sorted(path.name for path in checkpoints.iterdir()) == ["last.pt", "step-00000004.pt"]
+    assert load_checkpoint(checkpoints / "last.pt")["global_step"] == 4
+    assert (tmp_path / "resumed.rc").read_text().strip() == "0", (tmp_path / "resumed.err").read_text()[-4000:]
+    (resumed,) = run_dirs(tmp_path / "resumed")
+    assert resumed.name == run_dir.name and json.loads((resumed / "results.json").read_text())["steps"] == 12
+
 
 def test_stalled_rank_fails_the_job_after_the_process_group_timeout(tmp_path):
     # stop_deadline_s: torchrun stops the stalled rank with SIGTERM once the other has failed, and a rank
