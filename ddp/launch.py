@@ -14,13 +14,19 @@ from omegaconf import DictConfig, OmegaConf
 from torch.distributed.elastic.multiprocessing.api import SignalException
 from torch.distributed.launcher.api import LaunchConfig, elastic_launch
 
+from ddp.checkpoint import DiskFull
 from ddp.config import ConfigError
 from ddp.preemption import Interrupted
+from ddp.update import Diverged
 
 log = logging.getLogger(__name__)
 
-# A worker's result that is a refusal (a ConfigError found only in a worker: mode=eval's checkpoint checks).
-CONFIG_ERROR = "config_error"
+# The errors that end a run in one line (ddp/failures.py). Every rank raises them alike (the startup
+# checks are the same on each; divergence and a failed save are decided together), so a worker returns
+# one as its result and the launcher raises it again: a failed worker would print the agent's
+# tracebacks (one a rank) and torch's error summary, and be restarted under strategy.max_restarts.
+ONE_LINE_ERRORS = (ConfigError, Diverged, DiskFull)
+ONE_LINE_ERROR = "one_line_error"
 # The same line format as hydra.job_logging in conf/config.yaml: spawned workers have no Hydra logging.
 LOG_FORMAT = "[%(asctime)s][rank {rank}][%(name)s][%(levelname)s] %(message)s"
 
@@ -54,8 +60,8 @@ def launch_workers(run: Callable, cfg: DictConfig, run_dir: Path, relaunch: str,
         for worker in multiprocessing.active_children():
             os.kill(worker.pid, stop.sigval)
         raise Interrupted(stop.sigval) from None
-    if CONFIG_ERROR in returns[0]:
-        raise ConfigError(returns[0][CONFIG_ERROR])
+    if ONE_LINE_ERROR in returns[0]:
+        raise returns[0][ONE_LINE_ERROR]  # pickled without its traceback: only the message crosses
     return returns[0]
 
 
@@ -72,8 +78,6 @@ def _worker(run: Callable, container: dict, run_dir: str, relaunch: str, job_nam
     )
     try:
         return run(OmegaConf.create(container), Path(run_dir), relaunch)
-    except ConfigError as error:
-        # Every rank refuses alike (the checks are the same on each): the launcher prints the one line,
-        # where a failed worker would print the agent's tracebacks (one a rank) and torch's error summary.
-        return {CONFIG_ERROR: str(error)}
+    except ONE_LINE_ERRORS as error:
+        return {ONE_LINE_ERROR: error}
 

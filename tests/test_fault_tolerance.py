@@ -357,37 +357,42 @@ FULL_DISK_RUN = ["data=synthetic", "data.num_val_samples=8", "data.image_size=8"
                  "model.channels=[64,128]", "trainer.max_epochs=1", "checkpoint.every_n_steps=4", "checkpoint.keep_best=0"]
 
 
-@pytest.mark.parametrize("launch, ranks", [("python", 1), ("torchrun --nproc_per_node=2", 2)])
-def test_a_full_disk_at_a_save_is_one_line_with_the_command_that_resumes_once_space_is_freed(tmp_path, launch, ranks):
+@pytest.mark.parametrize("launch, ranks, strategy", [
+    ("python", 1, ["strategy=single"]),
+    ("torchrun --nproc_per_node=2", 2, ["strategy=ddp"]),
+    ("python", 2, ["strategy=ddp", "strategy.nproc_per_node=2"]),  # self-launched: the launcher prints the line
+])
+def test_a_full_disk_at_a_save_is_one_line_with_the_command_that_resumes_once_space_is_freed(tmp_path, launch, ranks, strategy):
     """A real full disk at the step-8 save: torch's own error hides the errno ("unexpected pos ..."),
     yet the run ends with exit 1 and one line naming the path, the cause, the free space and the
-    command that resumes, on every rank (rank 0 saves; the others get its word instead of a lost
-    peer); the step-4 checkpoint is intact and no temp file is left. Once space is freed, that
-    command continues the run to its end (run for one process)."""
+    command that resumes, on every rank under torchrun (rank 0 saves; the others get its word instead
+    of a lost peer), once by a self-launching process; the step-4 checkpoint is intact and no temp
+    file is left. Once space is freed, that command continues the run to its end (run for one process)."""
     namespace = ["unshare", "--mount"] if os.geteuid() == 0 else ["unshare", "--user", "--map-root-user", "--mount"]
     env = _clean_env() | {"PATH": f"{Path(sys.executable).parent}{os.pathsep}{os.environ['PATH']}", "TRAIN": str(TRAIN),
                           "OUT": str(tmp_path), "LAUNCH": launch,
                           "RESUME": str(int(ranks == 1))}
     script = subprocess.run([*namespace, "bash", "-c", FULL_DISK_SCRIPT, "full-disk", *FULL_DISK_RUN,
-                             f"data.num_samples={96 * ranks}", "strategy=single" if ranks == 1 else "strategy=ddp"], cwd=tmp_path, env=env, capture_output=True, text=True, timeout=180)
+                             f"data.num_samples={96 * ranks}", *strategy], cwd=tmp_path, env=env, capture_output=True, text=True, timeout=180)
     error = (tmp_path / "full.err").read_text() if (tmp_path / "full.err").exists() else ""
     assert script.returncode == 0, output(script) + error[-4000:]
     assert (tmp_path / "full.rc").read_text().strip() == "1", error
     lines = [line for line in error.splitlines() if line.startswith("error:")]
-    assert len(lines) == ranks and len(set(lines)) == 1, error[-8000:]
-    if ranks == 1:
+    printing_processes = ranks if launch.startswith("torchrun") else 1
+    assert len(lines) == printing_processes and len(set(lines)) == 1, error[-8000:]
+    if printing_processes == 1:
         assert error.splitlines() == lines  # nothing else: no traceback, no torch enforce message
     assert "inline_container" not in error and "Connection reset" not in error, error[-8000:]
     (run_dir,) = run_dirs(tmp_path / "left")
     assert re.fullmatch(rf"error: saving {tmp_path}/disk/outputs/{run_dir.name}/checkpoints/step-00000008.pt failed: "
                         r"no space left on device \(\S+ has \d+\.\d MB free, and the save needs more than the \d+\.\d MB it "
                         rf"wrote\); what was saved before is intact: free some space, then continue with  {launch} \S+/train.py "
-                        rf".*checkpoint.keep_best=0 data.num_samples={96 * ranks} strategy=\w+ resume=outputs/{run_dir.name}", lines[0]), lines[0]
+                        rf".*checkpoint.keep_best=0 data.num_samples={96 * ranks} {' '.join(strategy)} resume=outputs/{run_dir.name}", lines[0]), lines[0]
     checkpoints = run_dir / "checkpoints"
     assert sorted(path.name for path in checkpoints.iterdir()) == ["last.pt", "step-00000004.pt"]
     assert load_checkpoint(checkpoints / "last.pt")["global_step"] == 4
     if ranks > 1:
-        return  # a resume under torchrun is no different (the killed runs above): one process runs the printed command
+        return  # a resume with 2 ranks is no different (the killed runs above): one process runs the printed command
     assert (tmp_path / "resumed.rc").read_text().strip() == "0", (tmp_path / "resumed.err").read_text()[-4000:]
     (resumed,) = run_dirs(tmp_path / "resumed")
     assert resumed.name == run_dir.name and json.loads((resumed / "results.json").read_text())["steps"] == 12

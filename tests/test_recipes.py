@@ -263,8 +263,10 @@ def test_compiled_ddp_trains_and_saves_plain_keys(tmp_path):
     assert load_results(tmp_path)["steps"] == 3
 
 
-def test_a_diverging_run_stops_in_one_line_and_never_saves_non_finite_weights(tmp_path):
-    result = launch(["strategy=single", *TINY, "optim.lr=1e6", "checkpoint.every_n_steps=1"], tmp_path)
+@pytest.mark.parametrize("strategy", [["strategy=single"], ["strategy=ddp", "strategy.nproc_per_node=2"]], ids=["single", "self_launched_ddp"])
+def test_a_diverging_run_stops_in_one_line_and_never_saves_non_finite_weights(tmp_path, strategy):
+    """Also under self-launched DDP, where the launcher prints the ranks' one line (no worker tracebacks)."""
+    result = launch([*strategy, *TINY, "optim.lr=1e6", "checkpoint.every_n_steps=1"], tmp_path)
     assert result.returncode == 1, result.stdout + result.stderr
     (line,) = result.stderr.strip().splitlines()
     assert re.fullmatch(r"error: training diverged: a non-finite loss or gradient norm between steps \d+ and \d+ "
