@@ -52,15 +52,17 @@ def run(cfg: DictConfig, run_dir: Path, relaunch: str) -> dict:
     `relaunch` is the command that continues it after an interruption."""
     env = DistEnv.from_environ()
     quiet_console_on_other_ranks(env)
-    backend, splits, task, length, model, resumed = check_startup(cfg, run_dir, launched=env.launched, world_size=env.world_size,
-                                                                  restarted=is_restart(env))
+    validate(cfg, launched=env.launched, world_size=env.world_size)  # the config, before anything starts or is written
+    restrict_visible_gpus(cfg.devices)  # before the first CUDA call below
     distributed = cfg.strategy.name in MULTI_PROCESS
+    backend = resolve_backend(cfg.backend, torch.cuda.is_available())
     device = select_device(env, backend if distributed else None, torch.cuda.device_count())
     gpus = process_gpus(cfg.strategy.name, device)
-    memory_reset = reset_peak_memory(gpus)  # peak memory is this run's, also in a multirun
+    memory_reset = reset_peak_memory(gpus)  # peak memory is this run's (data included), also in a multirun
     warn_if_syncbn_without_ddp(cfg.syncbn, cfg.strategy.name)
     if cfg.deterministic:
         use_deterministic_cudnn()
+    splits, task, length, model, resumed = check_startup(cfg, run_dir, world_size=env.world_size, restarted=is_restart(env))
     if cfg.mode == "eval":
         return evaluate_checkpoint(cfg, env, backend, device, splits, task, run_dir, build_model)
     start_worker_server(splits.train, cfg.data.num_workers)  # for DataLoader workers, while the rank sets up (ddp/loader_workers.py)
@@ -68,17 +70,14 @@ def run(cfg: DictConfig, run_dir: Path, relaunch: str) -> dict:
         return fit(cfg, env, device, gpus, memory_reset, splits, task, length, model, resumed, run_dir, relaunch)
 
 
-def check_startup(cfg: DictConfig, run_dir: Path, *, launched: bool, world_size: int, restarted: bool) -> tuple:
-    """Every startup check (a one-line ConfigError), before any process group, worker or file of the run: main runs it in a
-    launcher too, at the launch's size, so nothing starts. Returns (backend, splits, task, length, model, resumed); None x3 for eval."""
-    validate(cfg, launched=launched, world_size=world_size)
-    restrict_visible_gpus(cfg.devices)  # before the first CUDA call below
-    backend = resolve_backend(cfg.backend, torch.cuda.is_available())
+def check_startup(cfg: DictConfig, run_dir: Path, *, world_size: int, restarted: bool) -> tuple:
+    """Checks that need the data and model (one-line ConfigErrors), before any process group; main runs them in a self-launching
+    process too, so no worker starts for a refused config. Returns (splits, task, length, model, resumed): the last 3 None in eval."""
     torch.manual_seed(cfg.seed)  # data, task and model: identical on every rank (same seed)
     splits = build_datasets(cfg.data)
     task = build_task(cfg.task, splits.num_classes, splits.class_names)
     if cfg.mode == "eval":
-        return backend, splits, task, None, None, None
+        return splits, task, None, None, None
     length = TrainingLength.of(cfg.trainer, len(splits.train), cfg.data.batch_size, world_size)
     check_schedule(cfg.scheduler, length.total_updates, length.updates_per_epoch)
     model = build_model(cfg.model, splits.num_classes, splits.in_channels)
@@ -91,7 +90,7 @@ def check_startup(cfg: DictConfig, run_dir: Path, *, launched: bool, world_size:
         check_update_state_fits(resumed[1], resumed[0], cfg)
     check_best_settings(cfg.checkpoint, cfg.trainer, cfg.task, run_epochs=length.epochs, task=task, model=model,
                         val_sample=splits.val[0], resumed=resumed)
-    return backend, splits, task, length, model, resumed
+    return splits, task, length, model, resumed
 
 
 @record  # a failing rank's traceback reaches torchrun's error summary (Hydra would swallow it)
@@ -235,7 +234,8 @@ def main(cfg: DictConfig) -> float:
     relaunch = resume_command(sys.argv[0], list(hydra_cfg.overrides.task), env.local_world_size if env.launched else None, run_dir)
     try:
         if cfg.strategy.name in MULTI_PROCESS and not env.launched and (nproc := cfg.strategy.nproc_per_node) > 0:
-            check_startup(cfg, run_dir, launched=True, world_size=nproc, restarted=False)  # fail here, not in N workers
+            validate(cfg, launched=True, world_size=nproc)  # fail here, not in N workers
+            check_startup(cfg, run_dir, world_size=nproc, restarted=False)
             results = launch_workers(run, cfg, run_dir, relaunch, hydra_cfg.job.name, nproc, cfg.strategy.max_restarts)
         else:
             results = run(cfg, run_dir, relaunch)
