@@ -48,7 +48,7 @@ bench: install ## train.py against a plain hand-written DDP loop, side by side: 
 	$(PY) benchmarks/bench.py
 
 export: install ## A sharded (strategy=fsdp) checkpoint as one plain state_dict: make export CKPT=<run dir>/checkpoints/step-N writes <dir>/model.pt
-	$(PY) -m ddp.export $(CKPT)
+	$(PY) -m ddp.checkpoints.export $(CKPT)
 
 tensorboard: install ## Serve outputs/ on http://127.0.0.1:6006
 	$(VENV)/bin/tensorboard --logdir outputs --host 127.0.0.1 --port 6006

@@ -18,31 +18,31 @@ from omegaconf import DictConfig, OmegaConf
 from torch.distributed.elastic.multiprocessing.errors import record
 
 from data import build_datasets, report_skipped_samples
-from ddp.best import BestTracker, check_best_settings, objective_key
-from ddp.checkpointer import Checkpointer
-from ddp.config import register_configs
-from ddp.config_checks import MULTI_PROCESS, check_model_accepts, validate
-from ddp.env import DistEnv, restrict_visible_gpus, select_device, use_deterministic_cudnn
-from ddp.evaluation import Validator, evaluate_checkpoint
-from ddp.failures import end_failed_job
-from ddp.fsdp import check_blocks
-from ddp.faults import SampleRecorder, slow_down
-from ddp.launch import launch_workers
-from ddp.loader_workers import start_worker_server
-from ddp.loaders import build_train_loader, build_val_loader, iterate_from, start_epoch
-from ddp.meter import reset_peak_memory
-from ddp.monitor import RunMonitor
-from ddp.optimizer import build_optimizer, build_scheduler, check_optimizer, check_schedule, scaled_lr
-from ddp.preemption import resume_command
-from ddp.process_group import all_reduce_sum, process_group, replicas_identical, resolve_backend
-from ddp.rank_zero import quiet_console_on_other_ranks
-from ddp.resume import Position, check_update_state_fits, find_resume_checkpoint, is_restart, load_resumed_weights, resume_training
-from ddp.results import log_hparams, log_results, log_setup, training_results, write_results
-from ddp.run_dir import register_resolvers
-from ddp.syncbn import warn_if_syncbn_without_ddp
-from ddp.training_length import TrainingLength
-from ddp.update import UpdateStep
-from ddp.wrap import prepare_model, process_gpus, seed_this_rank
+from ddp.checkpoints.best import BestTracker, check_best_settings, objective_key
+from ddp.checkpoints.checkpointer import Checkpointer
+from ddp.checkpoints.resume import Position, check_update_state_fits, find_resume_checkpoint, is_restart, load_resumed_weights, resume_training
+from ddp.config.checks import check_model_accepts, validate
+from ddp.config.schema import MULTI_PROCESS, register_configs
+from ddp.distributed.env import DistEnv, restrict_visible_gpus, select_device, use_deterministic_cudnn
+from ddp.distributed.fsdp import check_blocks
+from ddp.distributed.process_group import all_reduce_sum, process_group, replicas_identical, resolve_backend
+from ddp.distributed.syncbn import warn_if_syncbn_without_ddp
+from ddp.distributed.wrap import prepare_model, process_gpus, seed_this_rank
+from ddp.jobs.failures import end_failed_job
+from ddp.jobs.faults import SampleRecorder, slow_down
+from ddp.jobs.launch import launch_workers
+from ddp.jobs.preemption import resume_command
+from ddp.jobs.run_dir import register_resolvers
+from ddp.loading.loader_workers import start_worker_server
+from ddp.loading.loaders import build_train_loader, build_val_loader, iterate_from, start_epoch
+from ddp.reporting.meter import reset_peak_memory
+from ddp.reporting.monitor import RunMonitor
+from ddp.reporting.rank_zero import quiet_console_on_other_ranks
+from ddp.reporting.results import log_hparams, log_results, log_setup, training_results, write_results
+from ddp.training.evaluation import Validator, evaluate_checkpoint
+from ddp.training.optimizer import build_optimizer, build_scheduler, check_optimizer, check_schedule, scaled_lr
+from ddp.training.training_length import TrainingLength
+from ddp.training.update import UpdateStep
 from models import build_model
 from tasks import build_task
 
@@ -65,7 +65,7 @@ def run(cfg: DictConfig, run_dir: Path, relaunch: str) -> dict:
     splits, task, length, model, resumed = check_startup(cfg, run_dir, world_size=env.world_size, restarted=is_restart(env))
     if cfg.mode == "eval":
         return evaluate_checkpoint(cfg, env, backend, device, splits, task, run_dir, build_model)
-    start_worker_server(splits.train, cfg.data.num_workers)  # for DataLoader workers, while the rank sets up (ddp/loader_workers.py)
+    start_worker_server(splits.train, cfg.data.num_workers)  # for DataLoader workers, while the rank sets up (ddp/loading/loader_workers.py)
     with process_group(backend, env, device, cfg.strategy.timeout_s) if distributed else contextlib.nullcontext():
         return fit(cfg, env, device, gpus, memory_reset, splits, task, length, model, resumed, run_dir, relaunch)
 

@@ -1,7 +1,7 @@
 """Datasets. Each builder returns DataSplits and takes its options as keyword arguments, checked
-against its own signature (ddp.builder_options); add one with a module here and a
+against its own signature (ddp.config.builder_options); add one with a module here and a
 conf/data/<name>.yaml. A dataset whose samples can't go through torch's default_collate (images of
-different sizes) names its own in a `collate_fn` attribute, which the loaders use (ddp/loaders.py)."""
+different sizes) names its own in a `collate_fn` attribute, which the loaders use (ddp/loading/loaders.py)."""
 
 import logging
 from dataclasses import dataclass
@@ -9,9 +9,9 @@ from dataclasses import dataclass
 import torch
 from torch.utils.data import Dataset
 
-from ddp.builder_options import builder_options, instantiate_checked
-from ddp.config import ConfigError
-from ddp.process_group import all_reduce_sum
+from ddp.config.builder_options import builder_options, instantiate_checked
+from ddp.config.schema import ConfigError
+from ddp.distributed.process_group import all_reduce_sum
 
 log = logging.getLogger(__name__)
 

@@ -1,12 +1,12 @@
 """The standard train and eval transforms, as in torchvision's references/classification presets
 (transforms.v2). Training augments (random crop and flip, an optional policy, random erasing);
 evaluation is deterministic. Random draws come from torch's RNG: in a DataLoader worker, the one
-seeded per (rank, epoch) by ddp.loaders.start_epoch."""
+seeded per (rank, epoch) by ddp.loading.loaders.start_epoch."""
 
 import torch
 from torchvision.transforms import v2
 
-from ddp.config import ConfigError
+from ddp.config.schema import ConfigError
 
 # Per-channel mean and std of each dataset's training images, the one place they are stated.
 NORMALIZATION = {

@@ -8,7 +8,7 @@ from torch.utils.data import Dataset
 
 from data import DataSplits
 from data.segmentation_transforms import eval_transforms, train_transforms
-from ddp.config import ConfigError
+from ddp.config.schema import ConfigError
 
 MEAN, STD = (0.3, 0.3, 0.3), (0.25, 0.25, 0.25)  # of the generated pixels, roughly
 KINDS = ("rectangle", "disc", "triangle")

@@ -10,7 +10,7 @@ from torchvision import datasets
 
 from data import DataSplits
 from data.presets import cifar10_transforms, imagefolder_transforms
-from ddp.config import ConfigError
+from ddp.config.schema import ConfigError
 
 log = logging.getLogger(__name__)
 

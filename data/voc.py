@@ -12,7 +12,7 @@ from torch.utils.data import Dataset
 from data import DataSplits
 from data.presets import NORMALIZATION
 from data.segmentation_transforms import eval_transforms, pad_collate, train_transforms
-from ddp.config import ConfigError
+from ddp.config.schema import ConfigError
 
 VOC_CLASSES = ("background", "aeroplane", "bicycle", "bird", "boat", "bottle", "bus", "car", "cat", "chair", "cow",
                "diningtable", "dog", "horse", "motorbike", "person", "pottedplant", "sheep", "sofa", "train", "tvmonitor")

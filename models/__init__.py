@@ -1,11 +1,11 @@
 """Models. Each is built as `_target_(num_classes=..., in_channels=..., **options)`, its options
-checked against its own signature (ddp.builder_options); model.weights_path then loads local
+checked against its own signature (ddp.config.builder_options); model.weights_path then loads local
 weights into it (models/weights.py), into its backbone only with model.weights_scope=backbone
 (models/segmentation.py)."""
 
 from torch import nn
 
-from ddp.builder_options import builder_options, instantiate_checked
+from ddp.config.builder_options import builder_options, instantiate_checked
 
 
 def build_model(model_cfg, num_classes: int, in_channels: int) -> nn.Module:

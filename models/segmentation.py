@@ -11,7 +11,7 @@ import torchvision
 from torch import nn
 from torch.nn import functional as F
 
-from ddp.config import ConfigError
+from ddp.config.schema import ConfigError
 from models.weights import _strip_prefixes, load_weights, read_state_dict
 from models.zoo import adapt_stem
 
@@ -45,7 +45,7 @@ class SmallSegNet(nn.Module):
     with enough BatchNorm for SyncBN to matter. `backbone` -> `classifier` gives `out`;
     `aux_classifier` on the backbone's features gives `aux`."""
 
-    fsdp_block_types = ("Conv2d",)  # strategy=fsdp shards each convolution as one unit (ddp/fsdp.py)
+    fsdp_block_types = ("Conv2d",)  # strategy=fsdp shards each convolution as one unit (ddp/distributed/fsdp.py)
 
     def __init__(self, num_classes: int, in_channels: int, width: int = 16, aux_loss: bool = True):
         super().__init__()

@@ -4,7 +4,7 @@ import math
 
 from torch import nn
 
-from ddp.config import ConfigError
+from ddp.config.schema import ConfigError
 
 NORMS = ("batch", "group", "none")
 
@@ -18,7 +18,7 @@ def _norm(kind: str, width: int) -> nn.Module:
 
 
 class SmallCNN(nn.Module):
-    fsdp_block_types = ("Conv2d", "Linear")  # strategy=fsdp shards each layer with weights as one unit (ddp/fsdp.py)
+    fsdp_block_types = ("Conv2d", "Linear")  # strategy=fsdp shards each layer with weights as one unit (ddp/distributed/fsdp.py)
 
     def __init__(self, num_classes: int, in_channels: int, channels: list[int], dropout: float = 0.0, norm: str = "batch"):
         super().__init__()

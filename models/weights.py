@@ -9,8 +9,8 @@ from safetensors import SafetensorError
 from safetensors.torch import load_file
 from torch import nn
 
-from ddp.checkpoint import CheckpointError, load_checkpoint
-from ddp.config import ConfigError
+from ddp.checkpoints.checkpoint import CheckpointError, load_checkpoint
+from ddp.config.schema import ConfigError
 
 log = logging.getLogger(__name__)
 

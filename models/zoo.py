@@ -6,7 +6,7 @@ import difflib
 import torchvision
 from torch import nn
 
-from ddp.config import ConfigError
+from ddp.config.schema import ConfigError
 
 
 def build_torchvision(num_classes: int, in_channels: int, name: str, weights: str | None = None,

@@ -3,7 +3,7 @@ training-only batch transforms, the evaluation statistics, the metrics computed 
 a sweep optimises and its direction, and its TensorBoard extras. Pick one with `task=<name>`
 (conf/task/<name>.yaml); the recipe builds it once per run with build_task, as a model or a dataset:
 `_target_(num_classes=..., class_names=..., **options)`, the options being the yaml's other keys,
-checked against `_target_`'s own signature (ddp.builder_options). Two keys of the yaml are
+checked against `_target_`'s own signature (ddp.config.builder_options). Two keys of the yaml are
 the run's, not the task's, and the task object doesn't see them:
 
     task.objective    the results key `main` returns and a sweep optimises, e.g. val_accuracy
@@ -29,7 +29,7 @@ A task is any object with these members (duck-typed; tasks/classification.py is 
         mode; the writer does nothing off rank 0, so work only where it is active, and run no collective.
 """
 
-from ddp.builder_options import builder_options, instantiate_checked
+from ddp.config.builder_options import builder_options, instantiate_checked
 
 
 def build_task(task_cfg, num_classes: int, class_names: list[str] | None):

@@ -20,8 +20,8 @@ from torch.nn import functional as F
 from torchvision.utils import make_grid
 
 from data.segmentation_transforms import IGNORE_INDEX
-from ddp.config import ConfigError
-from ddp.fsdp import is_sharded
+from ddp.config.schema import ConfigError
+from ddp.distributed.dtensor import is_sharded
 
 HEADER = 2  # loss sum and image count, before the confusion matrix
 

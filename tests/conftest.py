@@ -24,7 +24,7 @@ import pytest  # noqa: E402
 import torch  # noqa: E402
 from PIL import Image  # noqa: E402
 
-from ddp.loader_workers import start_fork_server  # noqa: E402
+from ddp.loading.loader_workers import start_fork_server  # noqa: E402
 
 REPO = Path(__file__).resolve().parents[1]
 TRAIN = REPO / "train.py"
@@ -46,7 +46,7 @@ TINY = [
 @pytest.fixture(scope="session", autouse=True)
 def loader_fork_server() -> None:
     """The DataLoader workers of this test process all come from one fork server, which imports the
-    modules of the first loader's dataset (ddp/loader_workers.py). A rank has one dataset; this process
+    modules of the first loader's dataset (ddp/loading/loader_workers.py). A rank has one dataset; this process
     has many, and a worker whose dataset's modules the server lacks imports them itself, torchvision
     included, seconds for each worker of each loader. So the server starts first, with them all."""
     datasets = [f"data.{path.stem}" for path in (REPO / "data").glob("*.py")] + ["ids_and_noise"]
@@ -94,7 +94,7 @@ def config_error_in_this_process(overrides: list[str], run_dir: Path) -> str:
     `run_dir`, a process group, an event file or a checkpoint exists. (The command line prints such
     an error as one `error:` line and exits 1: tests/test_bad_input.py.)"""
     import train
-    from ddp.config import ConfigError
+    from ddp.config.schema import ConfigError
 
     cfg = _composed(overrides)
     with pytest.raises(ConfigError) as error:
@@ -380,7 +380,7 @@ def _kill_and_restart_past_a_pruning_launch(cwd: Path) -> dict:
     to look two days old: its agent lives, so it must stay. Then the agent goes on (SIGCONT) and
     restarts both ranks, which resume from the step-5 checkpoint in their own run dir.
     Returns that run dir (relative to `cwd`) and torchrun's stdout."""
-    from ddp.dir_lock import lock_holder
+    from ddp.jobs.dir_lock import lock_holder
 
     command = [str(TORCHRUN), "--nproc_per_node=2", "--max-restarts=1", str(TRAIN), *EXACT_DDP, "fault.kill_rank=1",
                "fault.at_step=7"]

@@ -1,7 +1,7 @@
 """Bad command lines fail fast and clearly: a non-zero exit, a message naming the key, no Python
 traceback, and nothing trained or saved (no TensorBoard events, no checkpoint).
 
-Our own checks (ddp/config_checks.py `validate`, `resolve_backend`, the data builders) print exactly one
+Our own checks (ddp/config/checks.py `validate`, `resolve_backend`, the data builders) print exactly one
 line `error: <message>` on stderr and exit 1; Hydra's composition errors are Hydra's own messages.
 """
 
@@ -346,7 +346,7 @@ def test_our_config_errors_are_one_line_and_exit_1_on_the_command_line(tmp_path,
 
 def assert_no_run_dir_left(tmp_path: Path) -> None:
     """A refused launch removes the run dir it made (claims of a torchrun launch, in outputs/.launches, are
-    pruned by a later launch: ddp/run_dir.py)."""
+    pruned by a later launch: ddp/jobs/run_dir.py)."""
     outputs = tmp_path / "outputs"
     left = [path for path in outputs.iterdir() if path.name != ".launches"] if outputs.exists() else []
     assert not left, [sorted(p.relative_to(tmp_path) for p in path.rglob("*")) for path in left]
@@ -354,7 +354,7 @@ def assert_no_run_dir_left(tmp_path: Path) -> None:
 
 # One case of each kind of startup check (train.check_startup): the config's values, the model against the
 # data, FSDP's blocks, the best/objective settings, the schedule, a resume (here FSDP's DCP shapes).
-# mode=eval's checks of its checkpoint run in the workers (ddp/evaluation.py): their refusal reaches the
+# mode=eval's checks of its checkpoint run in the workers (ddp/training/evaluation.py): their refusal reaches the
 # launcher as a result, and it prints the one line.
 SELF_LAUNCHED = ["zero_lr", "image_the_model_cannot_take", "fsdp_block_type_the_model_lacks", "misspelt_objective_metric",
                  "warmup_longer_than_the_run", "fsdp_resuming_a_sharded_checkpoint_of_another_width", "eval_of_a_split_the_data_lacks"]

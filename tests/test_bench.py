@@ -16,9 +16,9 @@ from hydra import compose, initialize_config_dir
 from PIL import Image
 
 from conftest import REPO, check
-from ddp.config import register_configs
-from ddp.config_checks import validate
-from ddp.meter import ThroughputMeter
+from ddp.config.checks import validate
+from ddp.config.schema import register_configs
+from ddp.reporting.meter import ThroughputMeter
 
 
 def load_bench():

@@ -17,7 +17,7 @@ from tensorboard.backend.event_processing.event_accumulator import EventAccumula
 import train
 from conftest import (REPO, check, checked_launch, completed_process, launch, results_of, run_dirs, run_in_this_process,
                       shared_run, shared_run_in_this_process)
-from ddp.config import ConfigError
+from ddp.config.schema import ConfigError
 from test_fault_tolerance import assert_bit_identical, assert_same_state
 
 # Synthetic labels are random: a high LR memorises them and the val loss rises after the second

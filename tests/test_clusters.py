@@ -16,9 +16,9 @@ from hydra import compose, initialize_config_dir
 from hydra.utils import instantiate
 
 from conftest import DDP_RUN, REPO, TORCHRUN, TRAIN, assert_same_weights, check, final_weights, free_port, run_dirs
-from ddp.config import register_configs
-from ddp.env import DistEnv
-from ddp.run_dir import register_resolvers
+from ddp.config.schema import register_configs
+from ddp.distributed.env import DistEnv
+from ddp.jobs.run_dir import register_resolvers
 
 # The variables of every launcher, cleared before each simulated environment.
 LAUNCH_VARIABLES = [

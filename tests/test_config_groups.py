@@ -15,7 +15,7 @@ from omegaconf import DictConfig, ListConfig, OmegaConf
 from omegaconf.errors import ValidationError
 from sklearn.datasets import load_digits
 
-import ddp.config as schema
+import ddp.config.schema as schema
 from conftest import REPO, config_error_in_this_process, run_in_this_process, write_imagefolder
 from data import build_datasets
 from data.digits import build_digits
@@ -28,11 +28,11 @@ from models.resnet import build_resnet18
 from models.segmentation import build_segmentation_model, small_segnet
 from models.small_cnn import SmallCNN
 from models.zoo import build_timm, build_torchvision
-from ddp.builder_options import builder_options
-from ddp.config import ConfigError, register_configs
-from ddp.config_checks import validate
-from ddp.optimizer import optimizer_node
-from ddp.run_dir import register_resolvers
+from ddp.config.builder_options import builder_options
+from ddp.config.checks import validate
+from ddp.config.schema import ConfigError, register_configs
+from ddp.jobs.run_dir import register_resolvers
+from ddp.training.optimizer import optimizer_node
 from tasks.classification import ClassificationTask
 from tasks.segmentation import SegmentationTask
 

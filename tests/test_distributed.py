@@ -19,11 +19,11 @@ from omegaconf import OmegaConf
 import train
 from conftest import REPO, TINY, final_weights, load_last, load_results, results_of, run_dirs
 from data import build_datasets
-from ddp.env import DistEnv
-from ddp.loaders import build_val_loader
+from ddp.distributed.env import DistEnv
+from ddp.loading.loaders import build_val_loader
 from models import build_model
 from models.small_cnn import SmallCNN
-from ddp.evaluation import evaluate
+from ddp.training.evaluation import evaluate
 from tasks.classification import ClassificationTask
 
 

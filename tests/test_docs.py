@@ -9,7 +9,7 @@ import pytest
 from hydra import compose, initialize_config_dir
 from hydra.core.override_parser.overrides_parser import OverridesParser
 
-from ddp.config import register_configs
+from ddp.config.schema import register_configs
 
 register_configs()
 

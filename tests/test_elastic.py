@@ -72,7 +72,7 @@ def test_losing_a_node_mid_epoch_the_survivor_trains_every_sample_once(tmp_path)
                    f"--rdzv-endpoint=localhost:{port}", f"--rdzv-id={run_id}", f"--rdzv-conf={RDZV_CONF},is_host={is_host}",
                    "--max-restarts=2", str(TRAIN), *ARGS, *extra]
         with open(tmp_path / f"{name}.out", "w") as out:
-            # the same cwd: the agents' workers agree on the run dir under outputs/ (ddp/run_dir.py)
+            # the same cwd: the agents' workers agree on the run dir under outputs/ (ddp/jobs/run_dir.py)
             return subprocess.Popen(command, cwd=tmp_path, env=env, stdout=out, stderr=subprocess.STDOUT, start_new_session=True)
 
     def logs() -> str:

@@ -43,9 +43,9 @@ from conftest import EXACT_SINGLE as EXTEND
 from conftest import (EXACT_SINGLE_STEPS, REPO, TORCHRUN, TRAIN, check, config_error_in_this_process, last_checkpoint,
                       run_dirs, run_in_this_process, shared_run_in_this_process)
 from ids_and_noise import IdsAndNoise
-from ddp.checkpoint import CheckpointError, load_checkpoint, save_checkpoint, save_step_checkpoint
-from ddp.env import DistEnv
-from ddp.loaders import build_train_loader, iterate_from, start_epoch
+from ddp.checkpoints.checkpoint import CheckpointError, load_checkpoint, save_checkpoint, save_step_checkpoint
+from ddp.distributed.env import DistEnv
+from ddp.loading.loaders import build_train_loader, iterate_from, start_epoch
 from models.resnet import build_resnet18
 from models.small_cnn import SmallCNN
 
@@ -257,7 +257,7 @@ def test_save_that_hits_the_file_size_limit_raises_and_keeps_the_previous_checkp
         import resource, signal, sys
         from pathlib import Path
         import torch
-        from ddp.checkpoint import save_step_checkpoint
+        from ddp.checkpoints.checkpoint import save_step_checkpoint
         run_dir = Path(sys.argv[1])
         save_step_checkpoint({"model": {"w": torch.full((1000,), 5.0)}, "global_step": 5}, run_dir, 5, 3)
         signal.signal(signal.SIGXFSZ, signal.SIG_IGN)
@@ -286,7 +286,7 @@ def test_save_killed_midway_keeps_the_previous_checkpoint_and_the_next_save_clea
             import sys
             from pathlib import Path
             import torch
-            from ddp.checkpoint import save_step_checkpoint
+            from ddp.checkpoints.checkpoint import save_step_checkpoint
             run_dir = Path(sys.argv[1])
             save_step_checkpoint({"model": {"w": torch.full((1000,), 5.0)}, "global_step": 5}, run_dir, 5, 3)
             big = {"model": {"w": torch.ones(32 * 2**20)}, "global_step": 10}

@@ -25,11 +25,11 @@ from torch.utils.data import DataLoader
 
 from conftest import (REPO, TINY, TORCHRUN, as_json, check, config_error_in_this_process, last_checkpoint, launch,
                       load_last, load_results, results_of, run_dirs, run_in_this_process, shared_run)
-from ddp.checkpoint import CheckpointError, load_checkpoint, load_latest_checkpoint
-from ddp.evaluation import most_val_forwards
-from ddp.export import export_model
-from ddp.samplers import ShardSampler
-from ddp.sharded_checkpoint import full_model_state
+from ddp.checkpoints.checkpoint import CheckpointError, load_checkpoint, load_latest_checkpoint
+from ddp.checkpoints.export import export_model
+from ddp.checkpoints.sharded_checkpoint import full_model_state
+from ddp.loading.samplers import ShardSampler
+from ddp.training.evaluation import most_val_forwards
 from models.small_cnn import SmallCNN
 from models.weights import load_weights
 from test_elastic import records
@@ -260,12 +260,12 @@ def test_each_rank_holds_about_half_of_ddps_parameters_gradients_and_optimizer_s
 
 
 def test_export_writes_one_plain_state_dict_for_the_bare_model_and_weights_path(fsdp_run, tmp_path):
-    """`make export CKPT=<step dir>` (python -m ddp.export) writes <dir>/model.pt: the full weights,
+    """`make export CKPT=<step dir>` (python -m ddp.checkpoints.export) writes <dir>/model.pt: the full weights,
     loading with weights_only=True into the unwrapped model, and through model.weights_path."""
     checkpoint = shutil.copytree(step_dir(fsdp_run, 16), tmp_path / "step-00000016")
-    assert f"-m ddp.export {checkpoint}" in subprocess.run(["make", "-n", "export", f"CKPT={checkpoint}"], cwd=REPO,
+    assert f"-m ddp.checkpoints.export {checkpoint}" in subprocess.run(["make", "-n", "export", f"CKPT={checkpoint}"], cwd=REPO,
                                                             capture_output=True, text=True).stdout
-    result = subprocess.run([sys.executable, "-m", "ddp.export", str(checkpoint)], cwd=tmp_path, capture_output=True,
+    result = subprocess.run([sys.executable, "-m", "ddp.checkpoints.export", str(checkpoint)], cwd=tmp_path, capture_output=True,
                             text=True, timeout=120, env=os.environ | {"PYTHONPATH": str(REPO)})
     check(result)
     exported = torch.load(checkpoint / "model.pt", weights_only=True)

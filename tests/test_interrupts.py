@@ -18,7 +18,7 @@ import pytest
 
 from conftest import (EXACT_DATA, EXACT_DDP, EXACT_SINGLE_STEPS, REPO, TINY, TORCHRUN, TRAIN, check, job_dir, job_numbers,
                       run_dirs, sigterm_when)
-from ddp.checkpoint import load_checkpoint
+from ddp.checkpoints.checkpoint import load_checkpoint
 from test_fault_tolerance import _clean_env, assert_bit_identical, last_checkpoint
 
 # Long enough to be interrupted (dropout, augmentation and loader workers, so resuming has

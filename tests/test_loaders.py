@@ -9,12 +9,12 @@ import torch
 from torch import nn
 from torch.utils.data import DistributedSampler, TensorDataset
 
-from ddp.env import DistEnv
+from ddp.distributed.env import DistEnv
 from ids_and_noise import IdsAndNoise
-from ddp.loaders import build_train_loader, build_val_loader, iterate_from, start_epoch
-from ddp.samplers import epoch_order, rest_of_epoch, resume_point, shard_indices
-from ddp.resume import Position, capture_rank_state, checkpoint_state, resume_position
-from ddp.update import UpdateStep
+from ddp.checkpoints.resume import Position, capture_rank_state, checkpoint_state, resume_position
+from ddp.loading.loaders import build_train_loader, build_val_loader, iterate_from, start_epoch
+from ddp.loading.samplers import epoch_order, rest_of_epoch, resume_point, shard_indices
+from ddp.training.update import UpdateStep
 from tasks.classification import ClassificationTask
 from train import TrainingLength, train_one_epoch
 

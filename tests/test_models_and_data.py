@@ -23,11 +23,11 @@ from data import build_datasets
 from data.mix import build_batch_mix
 from data.presets import AUGMENTS, cifar10_transforms, imagefolder_transforms
 from data.vision import BadSample
-from ddp.config import ConfigError, register_configs
-from ddp.env import DistEnv
-from ddp.loaders import build_train_loader, start_epoch
-from ddp.run_dir import SWEPT_KEYS_ENV, _job_dir_name, register_resolvers, swept_keys
-from ddp.update import UpdateStep
+from ddp.config.schema import ConfigError, register_configs
+from ddp.distributed.env import DistEnv
+from ddp.jobs.run_dir import SWEPT_KEYS_ENV, _job_dir_name, register_resolvers, swept_keys
+from ddp.loading.loaders import build_train_loader, start_epoch
+from ddp.training.update import UpdateStep
 from models import build_model
 from tasks.classification import ClassificationTask
 

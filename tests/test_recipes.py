@@ -13,12 +13,12 @@ from tensorboard.backend.event_processing.event_accumulator import EventAccumula
 from conftest import (REPO, TINY, check, hparams_table, job_dir, launch, load_last, load_results, results_of, run_dirs,
                       run_in_this_process, shared_run, write_imagefolder)
 from data import build_datasets
-from ddp.env import DistEnv
-from ddp.loaders import build_val_loader
-from ddp.ema import build_ema
+from ddp.distributed.env import DistEnv
+from ddp.loading.loaders import build_val_loader
+from ddp.training.ema import build_ema
 from models import build_model
 from models.small_cnn import SmallCNN
-from ddp.evaluation import evaluate
+from ddp.training.evaluation import evaluate
 from conftest import last_checkpoint
 from test_fault_tolerance import assert_bit_identical, assert_same_state
 from test_update import cosine_with_warmup

@@ -15,12 +15,12 @@ from omegaconf import OmegaConf
 
 from conftest import DDP_RUN, REPO, TINY, TORCHRUN, TRAIN, check, job_dir, job_numbers, launch, run_dirs, run_in_this_process
 from data import build_datasets
-from ddp.env import DistEnv
-from ddp.loaders import build_val_loader
-from ddp.run_dir import _prune_dead_claims
+from ddp.distributed.env import DistEnv
+from ddp.jobs.run_dir import _prune_dead_claims
+from ddp.loading.loaders import build_val_loader
 from models import build_model
 from test_fault_tolerance import _clean_env, assert_same_state, last_checkpoint
-from ddp.evaluation import evaluate
+from ddp.training.evaluation import evaluate
 from tasks.classification import ClassificationTask
 
 
@@ -158,7 +158,7 @@ def test_a_restart_of_a_days_old_run_keeps_its_dir_while_another_launch_prunes_c
 def test_claims_are_pruned_once_their_agent_is_gone(tmp_path, monkeypatch):
     """Claims that a process wrote under a torchrun run id: kept while that process's parent (its
     agent) lives, pruned by the next launch once the agent has ended."""
-    record = "import ddp.launch_agreement as r; r.agreed('run_dir', lambda: 'outputs/x')"
+    record = "import ddp.jobs.launch_agreement as r; r.agreed('run_dir', lambda: 'outputs/x')"
     env = {k: v for k, v in _clean_env().items() if k != "TORCHELASTIC_USE_AGENT_STORE"} | {"PYTHONPATH": str(REPO)}
     live = subprocess.run([sys.executable, "-c", record], cwd=tmp_path, env=env | {"TORCHELASTIC_RUN_ID": "live"})
     # the shell is the agent here, and it ends right after (`; true` keeps it from exec-ing python)

@@ -21,10 +21,10 @@ from data.segmentation_transforms import IGNORE_INDEX, eval_transforms, pad_coll
 from data.shapes import build_shapes
 from data.voc import build_voc
 from conftest import REPO
-from ddp.config import ConfigError
-from ddp.config_checks import validate
-from ddp.env import DistEnv
-from ddp.rank_zero import RankZeroWriter
+from ddp.config.checks import validate
+from ddp.config.schema import ConfigError
+from ddp.distributed.env import DistEnv
+from ddp.reporting.rank_zero import RankZeroWriter
 from models import build_model
 from models.segmentation import TORCHVISION_NAMES, build_segmentation_model, small_segnet
 from tasks import build_task
@@ -389,7 +389,7 @@ def _segmentation_config(**settings):
     cutmix_alpha, set where users set them."""
     from hydra import compose, initialize_config_dir
 
-    from ddp.config import register_configs
+    from ddp.config.schema import register_configs
 
     register_configs()
     where = {"label_smoothing": "trainer", "mixup_alpha": "data", "cutmix_alpha": "data", "direction": "task"}
@@ -512,7 +512,7 @@ def test_datasets_name_their_classes_and_voc_collates_its_own_batches(tmp_path):
     assert len(build_voc(str(tmp_path)).class_names) == 21
     splits = build_voc(str(tmp_path), num_classes=3, base_size=8)
     assert splits.class_names == ["class_0", "class_1", "class_2"]
-    from ddp.loaders import build_val_loader
+    from ddp.loading.loaders import build_val_loader
 
     loader = build_val_loader(splits.val, OmegaConf.create({"batch_size": 2, "num_workers": 0}), DistEnv(), pin_memory=False)
     images, masks = next(iter(loader))  # 8 x 8 and 8 x 10: default_collate could not stack them
@@ -521,12 +521,12 @@ def test_datasets_name_their_classes_and_voc_collates_its_own_batches(tmp_path):
 
 def test_voc_evaluation_is_the_same_at_any_world_size_as_shipped(tmp_path):
     """data=voc's images differ in size; evaluated at data.val_batch_size=1 (its default) no image is
-    padded, so each rank's shard (ddp/samplers.py) sums to exactly the one-process evaluation."""
+    padded, so each rank's shard (ddp/loading/samplers.py) sums to exactly the one-process evaluation."""
     from hydra import compose, initialize_config_dir
 
     from data import build_datasets
-    from ddp.config import register_configs
-    from ddp.loaders import build_val_loader
+    from ddp.config.schema import register_configs
+    from ddp.loading.loaders import build_val_loader
 
     register_configs()
     sizes = {f"{index}": (16 + 4 * (index % 3), 16 + 4 * (index % 2)) for index in range(7)}

@@ -17,7 +17,7 @@ from torch import nn
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 from conftest import shared_run
-from ddp.syncbn import CPUSyncBatchNorm, convert_syncbn
+from ddp.distributed.syncbn import CPUSyncBatchNorm, convert_syncbn
 
 WORLD = 2
 STEPS = 3

@@ -12,10 +12,10 @@ from omegaconf import OmegaConf
 from torch import nn
 from torch.optim.swa_utils import AveragedModel, get_ema_multi_avg_fn
 
-from ddp.evaluation import evaluate
-from ddp.ema import build_ema
-from ddp.optimizer import build_scheduler, resume_schedule
-from ddp.update import UpdateStep
+from ddp.training.ema import build_ema
+from ddp.training.evaluation import evaluate
+from ddp.training.optimizer import build_scheduler, resume_schedule
+from ddp.training.update import UpdateStep
 from models.small_cnn import SmallCNN
 from tasks.classification import ClassificationTask
 from workers.host_reads import HostReads

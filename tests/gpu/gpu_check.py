@@ -260,7 +260,7 @@ def check_fsdp_nccl_bf16_kill_and_resume_is_exact(scratch: Path) -> str:
     differences = tensor_differences(states["fsdp_killed"], states["fsdp_uninterrupted"])
     assert not differences, f"{len(differences)} differ: " + "; ".join(differences[:8])
     step = run_dir(scratch / "fsdp_killed") / "checkpoints" / "step-00000032"
-    out = subprocess.run([sys.executable, "-m", "ddp.export", str(step)], cwd=REPO, capture_output=True, text=True, timeout=120)
+    out = subprocess.run([sys.executable, "-m", "ddp.checkpoints.export", str(step)], cwd=REPO, capture_output=True, text=True, timeout=120)
     assert out.returncode == 0, out.stderr[-2000:]
     exported = torch.load(step / "model.pt", weights_only=True)
     dtypes = sorted({str(t.dtype) for t in exported.values() if t.is_floating_point()})
@@ -306,7 +306,7 @@ def check_resnet18_throughput(scratch: Path) -> str:
 
 
 def check_devices_restrict_the_visible_gpus(scratch: Path) -> str:
-    code = ("import torch\nfrom ddp.config import ConfigError\nfrom ddp.env import restrict_visible_gpus\n"
+    code = ("import torch\nfrom ddp.config.schema import ConfigError\nfrom ddp.distributed.env import restrict_visible_gpus\n"
             "restrict_visible_gpus([0])\nprint(torch.cuda.device_count())\ntorch.cuda.init()\n"
             "try:\n    restrict_visible_gpus([1])\nexcept ConfigError as error:\n    print(error)\n")
     out = subprocess.run([sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True, timeout=120,

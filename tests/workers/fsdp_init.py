@@ -23,9 +23,10 @@ from omegaconf import OmegaConf
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
 from torch.distributed.fsdp import FSDPModule
 
-from ddp.fsdp import local_tensor, shard_model
-from ddp.sharded_checkpoint import save_sharded_checkpoint
-from ddp.update import UpdateStep
+from ddp.checkpoints.sharded_checkpoint import save_sharded_checkpoint
+from ddp.distributed.dtensor import local_tensor
+from ddp.distributed.fsdp import shard_model
+from ddp.training.update import UpdateStep
 from models.small_cnn import SmallCNN
 from tasks.classification import ClassificationTask
 

@@ -36,8 +36,8 @@ from torch.optim.optimizer import register_optimizer_step_post_hook, register_op
 
 TRAIN = Path(__file__).resolve().parents[2] / "train.py"
 sys.path.insert(0, str(TRAIN.parent))
-import ddp.fsdp  # noqa: E402
-import ddp.process_group  # noqa: E402
+import ddp.distributed.dtensor  # noqa: E402
+import ddp.distributed.process_group  # noqa: E402
 from host_reads import HostReads  # noqa: E402  (this script's own folder)
 
 WATCH_DIR = Path(os.environ["WATCH_DIR"])
@@ -74,7 +74,7 @@ register_optimizer_step_post_hook(_count_steps)
 
 def _record_applied_grad_norm(optimizer, args, kwargs) -> None:
     grads = [p.grad for group in optimizer.param_groups for p in group["params"] if p.grad is not None]
-    applied_grad_norms.append(ddp.fsdp.local_tensor(nn.utils.get_total_norm(grads)).detach())  # a DTensor's under fsdp
+    applied_grad_norms.append(ddp.distributed.dtensor.local_tensor(nn.utils.get_total_norm(grads)).detach())  # a DTensor's under fsdp
 
 
 def _record_conv(module, inputs, output) -> None:
@@ -97,11 +97,11 @@ def counted_no_sync(self):
 
 DistributedDataParallel.no_sync = counted_no_sync
 
-real_check = ddp.process_group.replicas_identical
+real_check = ddp.distributed.process_group.replicas_identical
 
 
 def watched_check(module, include_buffers):
-    if ddp.fsdp.is_sharded(module):  # one sharded model, not replicas (and FSDP refuses deepcopy)
+    if ddp.distributed.dtensor.is_sharded(module):  # one sharded model, not replicas (and FSDP refuses deepcopy)
         return real_check(module, include_buffers)
     torch.save(module.state_dict(), WATCH_DIR / f"state_rank{RANK}.pt")
     nudged = copy.deepcopy(module)
@@ -115,7 +115,7 @@ def watched_check(module, include_buffers):
 
 
 # train.py imports the check by name when it runs, so it gets the watched one.
-ddp.process_group.replicas_identical = watched_check
+ddp.distributed.process_group.replicas_identical = watched_check
 if __name__ == "__main__":  # not when DataLoader workers' start-up imports this module
     sys.argv[0] = str(TRAIN)
     watching = HostReads(lambda kind, where: host_reads.append((steps_done[0], kind, where)))

@@ -5,8 +5,8 @@ import signal
 import torch
 from torch.utils.data import TensorDataset
 
-from ddp.env import DistEnv
-from ddp.loaders import build_train_loader, start_epoch
+from ddp.distributed.env import DistEnv
+from ddp.loading.loaders import build_train_loader, start_epoch
 
 
 class LoaderConfig:

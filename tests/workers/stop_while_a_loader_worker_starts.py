@@ -10,9 +10,9 @@ from pathlib import Path
 
 from torch.utils.data import Dataset
 
-from ddp.env import DistEnv
-from ddp.loaders import build_train_loader, iterate_from, start_epoch
-from ddp.preemption import Interrupted, StopOnSignal
+from ddp.distributed.env import DistEnv
+from ddp.jobs.preemption import Interrupted, StopOnSignal
+from ddp.loading.loaders import build_train_loader, iterate_from, start_epoch
 
 
 class SlowToStartInLaterWorkers(Dataset):

@@ -1,0 +1,237 @@
+"""Exact resume: choosing the checkpoint, and the per-rank state that makes the rest bit-identical."""
+
+import logging
+import os
+import random
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from ddp.checkpoints.checkpoint import CheckpointError, is_sharded_checkpoint, load_checkpoint, load_latest_checkpoint, sharded_model_shapes
+from ddp.config.schema import ConfigError
+from ddp.loading.samplers import resume_point
+from ddp.training.optimizer import resume_schedule
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class Position:
+    """Where training stands; a checkpoint stores it, and a resumed run continues from it.
+
+    Within an epoch the checkpoint holds the global samples trained: the epoch's shuffled order is
+    the same at any world size (ddp/loading/samplers.py), so a resume at another world size continues it
+    exactly. The loop counts batches of its loader, which began the epoch at sample `epoch_start`.
+    """
+
+    epoch: int = 0
+    batch_in_epoch: int = 0  # batches of this epoch's loader already trained (by every rank)
+    global_step: int = 0
+    epoch_start: int = 0  # the loader's first sample of the epoch: 0 unless resumed at another world size
+    # this rank's loss sum and sample count so far in `epoch` (float64, kept on the training device)
+    epoch_totals: torch.Tensor = field(default_factory=lambda: torch.zeros(2, dtype=torch.float64))
+
+    def samples_in_epoch(self, samples_per_batch: int, train_size: int) -> int:
+        """Samples of the epoch's global order trained; `samples_per_batch`: batch_size x world_size.
+        The epoch's last batch may be partial, or pad the ranks' shares: once it is trained, all
+        `train_size` are, not a full batch more."""
+        return min(self.epoch_start + self.batch_in_epoch * samples_per_batch, train_size)
+
+
+def checkpoint_state(model: nn.Module | None, optimizer, update_state: dict[str, Any], position: Position, samples_per_batch: int,
+                     train_size: int, rank_states: list[dict[str, Any]], config: dict) -> dict[str, Any]:
+    """Everything a resume needs, as plain containers and CPU tensors: it loads with weights_only=True
+    on any host, GPUs or not (optimizer.load_state_dict moves the state back to the parameters' device).
+    `update_state`: the scheduler, GradScaler and EMA states (None where off). `model` None: all but the
+    model's and the optimizer's states (a sharded checkpoint holds those in its shards)."""
+    return {
+        **({"model": to_cpu(model.state_dict()), "optimizer": to_cpu(optimizer.state_dict())} if model is not None else {}),
+        **to_cpu(update_state),
+        "epoch": position.epoch,
+        "samples_in_epoch": position.samples_in_epoch(samples_per_batch, train_size),  # what a resume reads
+        "batch_in_epoch": position.batch_in_epoch,  # at this world size, for reading
+        "global_step": position.global_step,
+        "tensorboard_step": position.global_step,
+        "world_size": len(rank_states),
+        "ranks": rank_states,
+        "config": config,
+    }
+
+
+def to_cpu(state: Any) -> Any:
+    """`state` with every tensor copied to the CPU, so a checkpoint never names a CUDA device."""
+    if isinstance(state, torch.Tensor):
+        return state.detach().cpu()
+    if isinstance(state, dict):
+        return {key: to_cpu(value) for key, value in state.items()}
+    if isinstance(state, (list, tuple)):
+        return type(state)(to_cpu(value) for value in state)
+    return state
+
+
+def resume_position(path: Path, checkpoint: dict[str, Any], batch_size: int, world_size: int, rank: int,
+                    train_size: int) -> tuple[Position, dict[str, Any] | None]:
+    """Where to continue, and this rank's state to restore (None if the world size changed)."""
+    saved_world_size = checkpoint["world_size"]
+    # checkpoints from before samples_in_epoch: their batches were all full, on every rank
+    samples = checkpoint.get("samples_in_epoch",
+                             checkpoint["batch_in_epoch"] * checkpoint["config"]["data"]["batch_size"] * saved_world_size)
+    samples = min(samples, train_size)  # older checkpoints counted an epoch's partial last batch as full
+    start, skip = resume_point(samples, batch_size, world_size)
+    position = Position(checkpoint["epoch"], skip, checkpoint["global_step"], start)
+    rank_state = None
+    if saved_world_size == world_size:
+        rank_state = checkpoint["ranks"][rank]
+        position.epoch_totals = torch.tensor(rank_state["epoch_totals"], dtype=torch.float64)
+    else:
+        log.warning("checkpoint has world_size=%d, this run %d: the data position is kept exactly (sample %d of epoch %d "
+                    "on), but the per-rank RNG states don't carry over: bit-identical only at an equal world size",
+                    saved_world_size, world_size, samples, position.epoch)
+        if rank == 0:  # the epoch's loss so far, all of it, so the epoch's train_loss stays exact
+            totals = [state["epoch_totals"] for state in checkpoint["ranks"]]
+            position.epoch_totals = torch.tensor(totals, dtype=torch.float64).sum(dim=0)
+    log.info("resumed from %s at epoch %d, batch %d, step %d (%d samples of the epoch trained)",
+             path, position.epoch, position.batch_in_epoch, position.global_step, samples)
+    return position, rank_state
+
+
+def resume_training(resumed: tuple[Path, dict[str, Any]], update, base_lr: float, total_updates: int, batch_size: int,
+                    world_size: int, rank: int, train_size: int) -> tuple[Position, dict[str, Any] | None]:
+    """Load the optimizer, scheduler, GradScaler and EMA states of the checkpoint `resumed` (path, checkpoint)
+    into `update` (an UpdateStep), to go on at this run's base LR and length; returns `resume_position`'s.
+    A sharded checkpoint's model and optimizer states load here, into the sharded model (update.model)."""
+    path, checkpoint = resumed
+    if checkpoint.get("sharded"):
+        from ddp.checkpoints.sharded_checkpoint import load_sharded_state  # DCP, imported where it's used (ddp/distributed/fsdp.py)
+
+        load_sharded_state(path, update.model, update.optimizer, checkpoint["optimizer_param_groups"])
+    else:
+        update.optimizer.load_state_dict(checkpoint["optimizer"])
+    update.load_state_dict(checkpoint)
+    resume_schedule(update.optimizer, update.scheduler, base_lr, total_updates, is_main=rank == 0)
+    return resume_position(path, checkpoint, batch_size, world_size, rank, train_size)
+
+
+def is_restart(env) -> bool:
+    """A torchrun restart, or a submitit task (a requeued job runs again in the same job dir; its first
+    run finds no checkpoint there): find_resume_checkpoint continues from the run dir's own newest."""
+    return int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")) > 0 or env.launcher == "submitit"
+
+
+def find_resume_checkpoint(resume: str | None, run_dir: Path, restarted: bool) -> tuple[Path, dict[str, Any]] | None:
+    """`resume`: None (fresh), `auto`, a run dir, or a checkpoint (a file, or a sharded one's dir). A restarted run (torchrun's
+    restart, a requeued SLURM job) continues from its own run dir's newest checkpoint when there is
+    one, whatever `resume` says: that is where the last attempt saved."""
+    if restarted and (found := load_latest_checkpoint(run_dir)) is not None:
+        return found
+    if resume is None:
+        return None
+    if resume == "auto":
+        found = load_latest_checkpoint(run_dir)
+        if found is None:
+            log.info("resume=auto: no checkpoint in %s, starting fresh", run_dir)
+        return found
+    path = Path(resume)
+    if path.is_dir() and not is_sharded_checkpoint(path):  # a run dir; a sharded checkpoint is a dir too
+        found = load_latest_checkpoint(path)
+        if found is None:
+            raise ConfigError(f"resume={resume}: no loadable checkpoint in {path / 'checkpoints'}")
+        return found
+    try:
+        return path, load_checkpoint(path)
+    except CheckpointError as error:
+        raise ConfigError(f"resume={resume}: {error}") from None
+
+
+def load_resumed_weights(model: nn.Module, resumed: tuple[Path, dict[str, Any]], strategy: str) -> None:
+    """The checkpoint's weights into the bare `model`. strategy=fsdp resumes from sharded checkpoints
+    (dirs), whose shards load into the sharded model (resume_training): here only the shapes in their
+    DCP index are checked, so a misfit is refused before any process group; the others from checkpoint files."""
+    path, checkpoint = resumed
+    if bool(checkpoint.get("sharded")) != (strategy == "fsdp"):
+        kind = "a sharded checkpoint (strategy=fsdp's)" if checkpoint.get("sharded") else "a checkpoint file"
+        raise ConfigError(f"resume: {path} is {kind}, which strategy={strategy} doesn't resume from yet; resume it with "
+                          f"strategy={'fsdp' if checkpoint.get('sharded') else 'single, dp or ddp'}, or start from its weights "
+                          "with model.weights_path")
+    if checkpoint.get("sharded"):
+        check_state_fits(model, sharded_model_shapes(path), path)
+    else:
+        load_model_state(model, checkpoint["model"], path)
+
+
+def load_model_state(model: nn.Module, state_dict: dict[str, torch.Tensor], source: Path) -> None:
+    """load_state_dict(strict=True), after check_state_fits."""
+    check_state_fits(model, {key: value.shape for key, value in state_dict.items()}, source)
+    model.load_state_dict(state_dict, strict=True)
+
+
+def check_state_fits(model: nn.Module, shapes: dict[str, torch.Size], source: Path) -> None:
+    """The checkpoint's tensors (`shapes`: name to shape) are exactly the model's, or a one-line error that
+    counts the missing, unexpected and reshaped keys and names the first few of each."""
+    own = {key: value.shape for key, value in model.state_dict().items()}
+    missing = sorted(own.keys() - shapes.keys())
+    unexpected = sorted(shapes.keys() - own.keys())
+    reshaped = sorted(key for key in own.keys() & shapes.keys() if tuple(own[key]) != tuple(shapes[key]))
+    if missing or unexpected or reshaped:
+        kinds = ", ".join(_some(keys, kind) for keys, kind in ((missing, "missing"), (unexpected, "unexpected"),
+                                                              (reshaped, "reshaped")) if keys)
+        raise ConfigError(f"resume: {source} does not fit this model (model.* differs from the checkpoint's): {kinds}")
+
+
+def _some(keys: list[str], kind: str, shown: int = 3) -> str:
+    """`2 missing keys ['a', 'b']`; past `shown` keys, `...` stands for the rest (a resnet's list is thousands of characters)."""
+    listed = ", ".join(repr(key) for key in keys[:shown]) + (", ..." if len(keys) > shown else "")
+    return f"{len(keys)} {kind} key{'s' if len(keys) > 1 else ''} [{listed}]"
+
+
+def check_update_state_fits(checkpoint: dict[str, Any], source: Path, cfg) -> None:
+    """The scheduler, GradScaler and EMA states of the checkpoint match what this run keeps."""
+    for key, kept, setting in (
+        ("scheduler", cfg.scheduler.name != "none", f"scheduler={cfg.scheduler.name}"),
+        ("scaler", cfg.precision == "16", f"precision={cfg.precision}"),
+        ("ema", cfg.ema.decay is not None, f"ema.decay={cfg.ema.decay}"),
+    ):
+        if (checkpoint.get(key) is not None) != kept:
+            saved = "with" if checkpoint.get(key) is not None else "without"
+            raise ConfigError(f"resume: {source} was saved {saved} a {key} state, which {setting} "
+                              f"{'needs' if kept else 'has no use for'}: resume with the settings it was trained with")
+
+
+def capture_rank_state(loader_generator: torch.Generator, epoch_totals: torch.Tensor, cuda_devices: list[int]) -> dict[str, Any]:
+    """This rank's random state and partial-epoch loss, as plain containers and tensors.
+
+    `cuda_devices`: the GPUs this rank computes on (its own device; DataParallel's device_ids).
+    Only their RNG states are kept, so a resume that sees fewer or renumbered GPUs restores the
+    streams of the devices it trains on, not another device's or an IndexError.
+    """
+    return {
+        "torch_rng": torch.get_rng_state(),
+        "cuda_rng": [torch.cuda.get_rng_state(index) for index in cuda_devices],
+        "python_rng": random.getstate(),
+        # Reseeded per (rank, epoch) by ddp.loading.loaders.start_epoch, so resume re-derives it; kept for inspection.
+        "loader_rng": loader_generator.get_state(),
+        "epoch_totals": epoch_totals.tolist(),
+    }
+
+
+def restore_rank_state(state: dict[str, Any], cuda_devices: list[int]) -> None:
+    torch.set_rng_state(state["torch_rng"])
+    if len(state["cuda_rng"]) != len(cuda_devices):
+        log.warning("checkpoint holds the CUDA RNG state of %d device(s), this rank trains on %d: "
+                    "restoring the first %d", len(state["cuda_rng"]), len(cuda_devices), min(len(state["cuda_rng"]), len(cuda_devices)))
+    for rng_state, index in zip(state["cuda_rng"], cuda_devices):
+        torch.cuda.set_rng_state(rng_state, index)
+    random.setstate(state["python_rng"])
+
+
+def gather_rank_states(state: dict[str, Any]) -> list[dict[str, Any]]:
+    """Every rank's state, on every rank (a collective: all ranks must call it)."""
+    if not (dist.is_available() and dist.is_initialized()):
+        return [state]
+    states: list[Any] = [None] * dist.get_world_size()
+    dist.all_gather_object(states, state)
+    return states

@@ -1,0 +1,89 @@
+"""Sharded checkpoints (strategy=fsdp): `checkpoints/step-<N>/`, written by every rank, atomically.
+
+Each is a torch.distributed.checkpoint (DCP) dir: every rank writes its shards of the model and the
+optimizer state (`get_state_dict`), into `.step-<N>.tmp/`. Rank 0 then adds `state.pt`, everything
+else a resume needs (position, schedule, the run's config, every rank's RNG and loader state under
+its rank, the optimizer's param_groups), written as ddp/checkpoints/checkpoint.py writes a checkpoint file, and
+renames the dir to `step-<N>`: a kill mid-save leaves no `step-<N>` for resume=auto to pick.
+
+DCP reshards on load (`set_state_dict`), so a checkpoint resumes at any world size, and its model
+reads back whole in one process (`full_model_state`: mode=eval, the export to one file). The DCP part
+holds tensors only; `state.pt` loads with weights_only=True. DCP's own `.metadata` is a pickle, which
+torch reads with an unrestricted pickle.load: ddp/checkpoints/checkpoint.py unpickles it first with only the
+globals DCP writes there, and refuses an index that names any other or that points at a pickled object.
+"""
+
+import os
+import shutil
+import warnings
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
+from torch import nn
+from torch.distributed.checkpoint import FileSystemReader
+from torch.distributed.checkpoint.api import CheckpointException
+from torch.distributed.checkpoint.metadata import TensorStorageMetadata
+from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
+
+from ddp.checkpoints.checkpoint import SHARDED_STATE, CheckpointError, check_sharded_index, checkpoint_dir, fsync_dir, save_checkpoint
+from ddp.distributed.process_group import broadcast_buffers_from_rank_zero
+
+
+def save_sharded_checkpoint(model: nn.Module, optimizer, state: dict[str, Any], run_dir: Path, step: int,
+                            keep_last: int) -> Path:
+    """A collective: every rank writes its shards; rank 0 writes `state` and publishes `step-<step>/`,
+    then keeps only the newest `keep_last` sharded checkpoints. The buffers saved are rank 0's (its
+    BatchNorm statistics, as a checkpoint file holds), whatever each rank's were."""
+    directory = checkpoint_dir(run_dir)
+    final, tmp = directory / f"step-{step:08d}", directory / f".step-{step:08d}.tmp"
+    is_main = dist.get_rank() == 0
+    if is_main:
+        directory.mkdir(parents=True, exist_ok=True)
+        for stale in directory.glob(".step-*.tmp"):  # left by a killed save
+            shutil.rmtree(stale)
+    dist.barrier()  # nobody writes into the temp dir before it is clean
+    # FSDP doesn't shard buffers, and DCP writes one rank's copy of each, not necessarily rank 0's
+    broadcast_buffers_from_rank_zero(model)
+    model_state, optimizer_state = get_state_dict(model, optimizer)
+    dcp.save({"model": model_state, "optimizer": optimizer_state["state"]}, checkpoint_id=tmp)
+    if is_main:
+        save_checkpoint({**state, "sharded": True, "optimizer_param_groups": optimizer_state["param_groups"]}, tmp / SHARDED_STATE)
+        if final.exists():  # saved before at this step (a resumed run): a dir is not replaced by a rename
+            shutil.rmtree(final)
+        os.replace(tmp, final)
+        fsync_dir(directory)
+        for old in sorted(p for p in directory.glob("step-*") if p.is_dir())[:-keep_last]:
+            shutil.rmtree(old)
+    return final
+
+
+def load_sharded_state(path: Path, model: nn.Module, optimizer, param_groups: list[dict]) -> None:
+    """The checkpoint's model and optimizer state into the sharded `model` and its `optimizer`, at any
+    world size (DCP reads the parts of the saved shards that this rank's shards cover)."""
+    # get_state_dict gives the optimizer a state to load into (a zero step, if it has none yet)
+    model_state, optimizer_state = get_state_dict(model, optimizer)
+    dcp.load({"model": model_state, "optimizer": optimizer_state["state"]}, checkpoint_id=path)
+    set_state_dict(model, optimizer, model_state_dict=model_state,
+                   optim_state_dict={"state": optimizer_state["state"], "param_groups": param_groups})
+
+
+def full_model_state(path: Path) -> dict[str, torch.Tensor]:
+    """The sharded checkpoint's model as one plain state_dict of full tensors, read in this process
+    alone (no process group, any world size and strategy): DCP fills tensors of the saved full shapes
+    from every rank's shards. Buffers are rank 0's (save_sharded_checkpoint saves those)."""
+    check_sharded_index(path)
+    try:
+        metadata = FileSystemReader(path).read_metadata()
+        state = {key.removeprefix("model."): torch.empty(entry.size, dtype=entry.properties.dtype)
+                 for key, entry in metadata.state_dict_metadata.items()
+                 if key.startswith("model.") and isinstance(entry, TensorStorageMetadata)}
+        with warnings.catch_warnings():  # no_dist=True is the intent, which DCP warns it assumes
+            warnings.filterwarnings("ignore", message="torch.distributed is disabled, unavailable or uninitialized")
+            dcp.load({"model": state}, checkpoint_id=path, no_dist=True)
+    except (Exception, CheckpointException) as error:  # DCP's CheckpointException is a BaseException
+        reason = str(error).strip().splitlines()[0] if str(error).strip() else type(error).__name__
+        raise CheckpointError(f"{path}: unreadable sharded checkpoint ({reason})") from None
+    return state

@@ -1,0 +1,1 @@
+"""What a run may be asked to do: the typed schemas, the startup checks, and a builder's options."""

@@ -1,0 +1,118 @@
+"""The process's place in the launch: read from the variables torchrun sets, else from a SLURM (or
+local) job that submitit started, else a plain single process."""
+
+import logging
+import os
+from dataclasses import dataclass
+
+import torch
+
+from ddp.config.schema import ConfigError
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class DistEnv:
+    rank: int = 0
+    local_rank: int = 0
+    world_size: int = 1
+    local_world_size: int = 1
+    master_addr: str | None = None
+    master_port: int | None = None
+    launcher: str | None = None  # "torchrun" or "submitit"; None for a plain process
+
+    @classmethod
+    def from_environ(cls) -> "DistEnv":
+        """torchrun first (it also runs inside SLURM jobs: `srun torchrun ...`), then a submitit task
+        (hydra/launcher=slurm or submitit_local, one task per GPU), then a plain process."""
+        environ = os.environ
+        if "RANK" in environ:  # torchrun always sets RANK; never parse a --local_rank argument
+            port = environ.get("MASTER_PORT")
+            return cls(
+                rank=int(environ["RANK"]),
+                local_rank=int(environ["LOCAL_RANK"]),
+                world_size=int(environ["WORLD_SIZE"]),
+                local_world_size=int(environ.get("LOCAL_WORLD_SIZE", environ["WORLD_SIZE"])),
+                master_addr=environ.get("MASTER_ADDR"),
+                master_port=int(port) if port else None,
+                launcher="torchrun",
+            )
+        if environ.get("SUBMITIT_EXECUTOR") in ("slurm", "local"):
+            return cls.from_submitit()
+        return cls()
+
+    @classmethod
+    def from_submitit(cls) -> "DistEnv":
+        """SLURM's task variables (SLURM_PROCID, SLURM_LOCALID, SLURM_NTASKS, the node list), or the
+        local executor's, as submitit reads them: the first host is the master, and the port is
+        MASTER_PORT if set, else one derived from the job id, the same in every task."""
+        from submitit.helpers import TorchDistributedEnvironment  # only in submitit tasks
+
+        task = TorchDistributedEnvironment()
+        return cls(
+            rank=task.rank,
+            local_rank=task.local_rank,
+            world_size=task.world_size,
+            local_world_size=task.local_world_size,
+            master_addr=task.master_addr,
+            master_port=task.master_port,
+            launcher="submitit",
+        )
+
+    @property
+    def launched(self) -> bool:
+        """One of a group of processes that a launcher started (torchrun, SLURM through submitit)."""
+        return self.launcher is not None
+
+    @property
+    def is_main(self) -> bool:
+        """This process does the logging, checkpointing and summary writing."""
+        return self.rank == 0
+
+
+def restrict_visible_gpus(devices: list[int] | None) -> None:
+    """`devices=[0, 2]`: this process sees only those GPUs, as cuda:0 and cuda:1. CUDA reads
+    CUDA_VISIBLE_DEVICES once, when it starts; set later, the variable changes nothing, so it is
+    set here, before anything in the run touches CUDA."""
+    if devices is None:
+        return
+    visible = ",".join(str(index) for index in devices)
+    if torch.cuda.is_initialized() and os.environ.get("CUDA_VISIBLE_DEVICES") != visible:
+        raise ConfigError(
+            f"devices={list(devices)}: CUDA is already initialised in this process (by an earlier job of this sweep, or "
+            "by code that ran before train.py), so its visible GPUs can't change: set CUDA_VISIBLE_DEVICES in the shell instead"
+        )
+    os.environ["CUDA_VISIBLE_DEVICES"] = visible
+
+
+def select_device(env: DistEnv, backend: str | None, visible_gpus: int) -> torch.device:
+    """The device this process trains on; everything moves there with .to(device).
+
+    `visible_gpus` is torch.cuda.device_count(): the GPUs that CUDA_VISIBLE_DEVICES leaves visible.
+    One visible GPU is cuda:0 whatever LOCAL_RANK is (one GPU per process: SLURM
+    --gpus-per-task=1, Kubernetes). More processes than GPUs work only over gloo, which lets ranks
+    share a GPU; nccl refuses two ranks on one GPU.
+    """
+    if visible_gpus == 0:
+        return torch.device("cpu")
+    if env.local_rank < visible_gpus:
+        return torch.device("cuda", env.local_rank)
+    if visible_gpus > 1 and backend == "nccl":
+        raise ConfigError(
+            f"LOCAL_RANK={env.local_rank} but only {visible_gpus} GPUs are visible, and backend=nccl needs one GPU per "
+            f"process: start at most {visible_gpus} processes per node (torchrun --nproc_per_node={visible_gpus}), "
+            "or use backend=gloo to share GPUs"
+        )
+    index = env.local_rank % visible_gpus
+    if backend == "gloo":
+        log.warning("LOCAL_RANK=%d with %d visible GPU(s): this rank uses cuda:%d, shared with other ranks "
+                    "of this node unless each process sees its own GPU", env.local_rank, visible_gpus, index)
+    return torch.device("cuda", index)
+
+
+def use_deterministic_cudnn() -> None:
+    """cuDNN's deterministic algorithms only, and no benchmarking (which may pick others per run).
+    Here rather than in train.py: submitit pickles train.py's functions by value, and the module
+    object torch.backends.cudnn can't be pickled."""
+    torch.backends.cudnn.deterministic, torch.backends.cudnn.benchmark = True, False

@@ -1,0 +1,100 @@
+"""strategy=fsdp: FSDP2 (`torch.distributed.fsdp.fully_shard`) shards each block, then the root.
+
+Every rank keeps 1/world_size of each parameter, its gradient and its optimizer state; a block's
+full parameters exist only while it computes (all-gathered before, freed after its forward when
+strategy.reshard_after_forward), and its gradients are reduce-scattered as the backward leaves it.
+The optimizer is built afterwards, on the sharded parameters (DTensors).
+
+precision=bf16|16 is FSDP's MixedPrecisionPolicy, not autocast: the float32 shards stay the master
+weights (what the optimizer steps and checkpoints hold), a block's parameters are all-gathered and
+computed in the low precision, and gradients are reduced in float32. BatchNorm layers are their own
+units that compute in float32 (low-precision batch statistics lose accuracy: torchtitan#674), and the
+model's output is float32, so the loss is computed as in precision=32.
+
+FSDP, DTensor and DCP are imported where a model is sharded or a sharded checkpoint is read, not when
+train.py starts: they cost every process about 2 CPU-s (sympy among them), and every DataLoader fork
+server that preloads train.py as much (ddp/loading/loader_workers.py).
+"""
+
+import logging
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.nn.modules.batchnorm import _BatchNorm
+
+from ddp.config.schema import ConfigError
+from ddp.distributed.process_group import replicas_identical
+
+log = logging.getLogger(__name__)
+
+# The unit of sharding in the families we build: torchvision's ResNet blocks (what layer1-4 hold;
+# timm's ResNets use the same names), ViT encoder layers and ConvNeXt blocks (what its stages hold).
+# timm's transformers keep theirs in `model.blocks`. A model of ours names its own (fsdp_block_types).
+KNOWN_BLOCK_TYPES = ("BasicBlock", "Bottleneck", "EncoderBlock", "CNBlock")
+
+
+def find_blocks(model: nn.Module, block_types: list[str] | None) -> list[nn.Module]:
+    """The modules to shard one by one (outermost first), by class name: `block_types`
+    (strategy.block_types) if given, else the model's `fsdp_block_types`, else KNOWN_BLOCK_TYPES or
+    timm's `model.blocks`. An empty list: none, so the root is the one unit (shard_model)."""
+    names = block_types if block_types is not None else getattr(model, "fsdp_block_types", KNOWN_BLOCK_TYPES)
+    blocks = [module for module in model.modules() if type(module).__name__ in names and module is not model]
+    if block_types and not blocks:
+        present = sorted({type(module).__name__ for module in model.modules()} - {type(model).__name__})
+        raise ConfigError(f"strategy.block_types={list(block_types)}: {type(model).__name__} has no module of these "
+                          f"classes; pick from {', '.join(present)}, or strategy.block_types=null")
+    if block_types is None and not blocks and isinstance(getattr(model, "blocks", None), (nn.Sequential, nn.ModuleList)):
+        blocks = list(model.blocks)
+    return blocks
+
+
+def check_blocks(model: nn.Module, strategy_cfg) -> None:
+    """strategy.block_types names classes the model has (strategy=fsdp), checked before anything starts."""
+    if strategy_cfg.name == "fsdp":
+        find_blocks(model, strategy_cfg.block_types)
+
+
+LOW_PRECISION = {"bf16": torch.bfloat16, "16": torch.float16}
+
+
+def shard_model(model: nn.Module, strategy_cfg, device: torch.device, precision: str) -> nn.Module:
+    """fully_shard each block (innermost first), then the root, over a 1-D mesh of every rank. Returns
+    `model` itself, now an FSDPModule whose parameters are DTensor shards. precision=bf16|16: each
+    BatchNorm layer first, computing in float32 (module docstring). strategy.block_types=[]: no
+    blocks, so the root holds every other parameter as one unit, gathered whole for each forward.
+
+    FSDP doesn't broadcast rank 0's initial weights (pytorch#148756): each rank keeps its slice of its
+    own. The same seed builds the same model everywhere; a rank-dependent init is refused here, before
+    the shards would silently mix different models."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
+
+    if not replicas_identical(model, include_buffers=True):
+        raise RuntimeError("strategy=fsdp: the ranks built different initial weights, and each would keep its slice "
+                           "of its own; the model's initialisation must not depend on the rank")
+    # The mesh is explicit: left to default, a gloo group on a GPU host has segfaulted (pytorch#132471).
+    mesh = init_device_mesh(device.type, (dist.get_world_size(),))
+    blocks = find_blocks(model, strategy_cfg.block_types)
+    low = LOW_PRECISION.get(precision)
+    block_policy = MixedPrecisionPolicy(param_dtype=low, reduce_dtype=torch.float32 if low else None)
+    shard = {"mesh": mesh, "reshard_after_forward": strategy_cfg.reshard_after_forward}
+    if low is not None:  # leaves, so before any block that holds them
+        norm_policy = MixedPrecisionPolicy(param_dtype=torch.float32, reduce_dtype=torch.float32, output_dtype=low)
+        for norm in [module for module in model.modules() if isinstance(module, _BatchNorm) and module not in blocks]:
+            fully_shard(norm, mp_policy=norm_policy, **shard)
+    for block in reversed(blocks):  # children before the blocks that hold them
+        fully_shard(block, mp_policy=block_policy, **shard)
+    root_policy = MixedPrecisionPolicy(param_dtype=low, reduce_dtype=torch.float32 if low else None,
+                                       output_dtype=torch.float32 if low else None)
+    fully_shard(model, mp_policy=root_policy, **shard)
+    if dist.get_backend() == "gloo":
+        # FSDP averages gradients with a ReduceOp.AVG reduce-scatter, which gloo got wrong (it summed:
+        # pytorch#162338). Sum instead, the one op every backend does, and let FSDP divide by the world size.
+        for module in model.modules():
+            if isinstance(module, FSDPModule):
+                module.set_force_sum_reduction_for_comms(True)
+    log.info("fsdp: %d block(s) sharded, then the root, over %d ranks (reshard_after_forward=%s, precision=%s)",
+             len(blocks), mesh.size(), strategy_cfg.reshard_after_forward, precision)
+    return model
+

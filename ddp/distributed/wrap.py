@@ -1,0 +1,82 @@
+"""Preparing the model for training and wrapping it for the chosen strategy, and unwrapping it for
+saving and evaluation."""
+
+import logging
+import random
+
+import torch
+from torch import nn
+from torch.nn.parallel import DistributedDataParallel
+
+from ddp.config.schema import MULTI_PROCESS
+from ddp.distributed.env import DistEnv
+from ddp.distributed.fsdp import shard_model
+from ddp.distributed.syncbn import convert_syncbn
+from ddp.training.ema import EMA, build_ema
+
+log = logging.getLogger(__name__)
+
+
+def prepare_model(model: nn.Module, strategy_cfg, env: DistEnv, device: torch.device, *, precision: str, channels_last: bool,
+                  syncbn: bool, ema_decay: float | None, compile: bool, compile_mode: str | None) -> tuple[nn.Module, nn.Module, nn.Module, EMA | None]:
+    """(the model that trains, wrapped; the bare model that checkpoints hold; the module compiled, or
+    not; its EMA or None), in this order: device and memory format, SyncBN (strategy=ddp or fsdp), the
+    EMA's copy, torch.compile, the strategy's wrapper. Under fsdp all three models are one, sharded in place."""
+    model = model.to(device, memory_format=torch.channels_last if channels_last else torch.preserve_format)
+    if syncbn and strategy_cfg.name in MULTI_PROCESS:
+        model = convert_syncbn(model, device)
+    raw_model, ema = model, build_ema(model, ema_decay)
+    # Compiled before wrapping, as timm does (the two orders measured alike on CPU: docs/recipes.md).
+    # Checkpoints hold raw_model's plain keys, never torch.compile's `_orig_mod.` ones.
+    trained = torch.compile(model, mode=compile_mode) if compile else model
+    return wrap_model(trained, strategy_cfg, env, device, precision), raw_model, trained, ema
+
+
+def wrap_model(model: nn.Module, strategy_cfg, env: DistEnv, device: torch.device, precision: str) -> nn.Module:
+    """single: the model itself; dp: nn.DataParallel over the visible GPUs; ddp: DistributedDataParallel;
+    fsdp: the model itself, sharded, in `precision` (ddp/distributed/fsdp.py; the others autocast in ddp/training/update.py)."""
+    name = strategy_cfg.name
+    if name == "single":
+        return model
+    if name == "fsdp":
+        return shard_model(model, strategy_cfg, device, precision)
+    if name == "dp":
+        if device.type != "cuda":
+            log.warning("strategy=dp: no CUDA GPUs visible, so DataParallel runs one replica on CPU")
+        return nn.DataParallel(model)
+    return DistributedDataParallel(
+        model,
+        device_ids=[device.index] if device.type == "cuda" else None,
+        bucket_cap_mb=strategy_cfg.bucket_cap_mb,
+        find_unused_parameters=strategy_cfg.find_unused_parameters,
+    )
+
+
+def unwrap_model(model: nn.Module) -> nn.Module:
+    """The bare model, whose state_dict has no `module.` prefix and loads into any strategy."""
+    if isinstance(model, (nn.DataParallel, DistributedDataParallel)):
+        return model.module
+    return model
+
+
+def process_gpus(strategy: str, device: torch.device) -> list[int]:
+    """The GPUs this process computes on: every visible one for DataParallel (its default
+    device_ids), else the process's own device; none on CPU."""
+    if device.type != "cuda":
+        return []
+    if strategy == "dp":
+        return list(range(torch.cuda.device_count()))
+    return [device.index]
+
+
+def seed_this_rank(model: nn.Module, seed: int) -> None:
+    """Per-rank randomness (dropout, augmentation in the main process) from here on: torch's and
+    Python's RNGs get `seed`, the rank's own. torch.manual_seed gives every GPU the same seed, so
+    DataParallel's replicas would draw the same dropout masks for their chunks of the batch; give each
+    replica's device its own stream."""
+    torch.manual_seed(seed)
+    random.seed(seed)
+    if isinstance(model, nn.DataParallel):
+        for index in model.device_ids[1:]:
+            with torch.cuda.device(index):
+                torch.cuda.manual_seed(seed + 1_000_003 * index)

@@ -1,0 +1,1 @@
+"""What the run tells: rank-0 output, meters, the monitor, results.json and a sweep's summary."""

@@ -1,0 +1,171 @@
+"""What the run watches between updates: the progress bar, the training scalars, the throughput,
+data-wait and straggler meters, the fault aids, the non-finite check and the stop check."""
+
+import contextlib
+import logging
+import sys
+import time
+from collections.abc import Iterable, Iterator
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+from tqdm import tqdm
+
+from ddp.distributed.env import DistEnv
+from ddp.distributed.process_group import gather_per_rank
+from ddp.jobs.faults import inject_fault
+from ddp.jobs.preemption import Interrupted, StopOnSignal, submitit_requeue_signal
+from ddp.reporting.meter import ComputeTimer, ThroughputMeter, peak_memory, straggler_stats
+from ddp.reporting.rank_zero import RankZeroWriter
+
+log = logging.getLogger("train")  # the run's own console lines, under the script's name
+
+
+class RunMonitor:
+    """A context manager for the training loop: inside it, SIGTERM, Ctrl-C and submitit's requeue
+    signal are held until the next step boundary (`stop_requested`), and `writer` is the run's
+    TensorBoard writer (rank 0 only), closed however the run ends.
+
+    Reads of the device (loss, gradient norm, the finite check, the ranks' meters) happen only at
+    log steps and epoch ends, where the loop waits for the device anyway."""
+
+    def __init__(self, trainer_cfg, fault_cfg, env: DistEnv, device: torch.device, *, trained_module: torch.nn.Module,
+                 length, start_step: int, resumed: bool, run_dir: Path, relaunch: str, cuda_devices: list[int],
+                 memory_reset: bool):
+        self.log_every_n_steps, self.fault_cfg, self.env, self.device = trainer_cfg.log_every_n_steps, fault_cfg, env, device
+        self.global_batch, self.relaunch = length.global_batch, relaunch
+        self.cuda_devices, self.memory_reset = cuda_devices, memory_reset
+        self.meter = ThroughputMeter(trainer_cfg.warmup_steps, device)
+        self.compute_timer = ComputeTimer(trained_module, device)  # this rank's own compute per update: shows a straggler
+        self.stopper = StopOnSignal(distributed=dist.is_initialized(), check_every_n_steps=trainer_cfg.log_every_n_steps,
+                                    deadline_s=trainer_cfg.stop_deadline_s,
+                                    requeue_signal=submitit_requeue_signal() if env.launcher == "submitit" else None)
+        self.progress = tqdm(total=length.total_updates, initial=start_step, desc="train",
+                             disable=not (env.is_main and sys.stderr.isatty()))
+        # a resumed run drops the events the interrupted one logged after its checkpoint
+        self.run_dir, self.purge_step = run_dir, start_step + 1 if resumed else None
+        self.writer: RankZeroWriter | None = None
+        self._logged_step, self._logged_at = start_step, time.perf_counter()
+
+    def __enter__(self) -> "RunMonitor":
+        self._exit_stack = contextlib.ExitStack()
+        self._exit_stack.enter_context(self.stopper)
+        self.writer = self._exit_stack.enter_context(RankZeroWriter(self.run_dir, self.env, purge_step=self.purge_step))
+        return self
+
+    def __exit__(self, *exc_info) -> None:
+        self._exit_stack.__exit__(*exc_info)
+
+    def start_epoch(self, batches: Iterable, step: int) -> Iterator:
+        """`batches`, timed for the data-wait meter; the throughput clock runs from here."""
+        self._logged_step, self._logged_at = step, time.perf_counter()
+        self.meter.resume()
+        return self.meter.timed(batches)
+
+    def end_epoch(self) -> None:
+        """The throughput clock stops: the epoch-end work isn't training."""
+        self.meter.pause()
+
+    def log_epoch(self, step: int, train_loss: float, epoch_time_s: float) -> None:
+        self.writer.add_scalar("train/epoch_loss", train_loss, step)
+        self.writer.add_scalar("train/epoch_time_s", epoch_time_s, step)
+
+    @contextlib.contextmanager
+    def paused(self) -> Iterator[None]:
+        """Work that isn't training (a periodic save) stays out of the throughput."""
+        self.meter.pause()
+        yield
+        self.meter.resume()
+
+    def after_update(self, update, loss: torch.Tensor, step: int, global_samples: int, epoch_ends: bool) -> None:
+        """Everything after update `step` but the stop check and the saves."""
+        if step % self.log_every_n_steps == 0:
+            self._log_training(update, loss, step)
+        self.progress.update(1)
+        self.meter.step(global_samples)
+        self.compute_timer.update_done()
+        inject_fault(self.fault_cfg, self.env.rank, step)
+        if step % self.log_every_n_steps == 0 or epoch_ends:  # where the loop waits anyway
+            update.check_finite(step)
+        if step % self.log_every_n_steps == 0:
+            self._log_ranks(step)
+
+    def _log_training(self, update, loss: torch.Tensor, step: int) -> None:
+        loss_value = loss.item()  # waits for the device, so the clock below counts the work done
+        now = time.perf_counter()
+        self.writer.add_scalar("train/loss", loss_value, step)
+        self.writer.add_scalar("train/lr", update.lr, step)
+        if update.grad_norm is not None:
+            self.writer.add_scalar("train/grad_norm", update.grad_norm.item(), step)
+        samples_per_s = (step - self._logged_step) * self.global_batch / (now - self._logged_at)
+        self.writer.add_scalar("train/samples_per_s", samples_per_s, step)
+        self.writer.add_scalar("train/samples_per_s_per_rank", samples_per_s / self.env.world_size, step)
+        self._logged_step, self._logged_at = step, now
+
+    def _log_ranks(self, step: int) -> None:
+        """Each rank's share of the window spent waiting for data, and its compute per update (one all_gather)."""
+        per_rank = gather_per_rank([self.meter.window_data_wait(), self.compute_timer.window_per_update()], self.device)
+        waits = [rank[0] for rank in per_rank]
+        self.writer.add_scalar("perf/data_wait_fraction", sum(waits) / self.env.world_size, step)
+        self.writer.add_scalar("perf/data_wait_fraction_max", max(waits), step)
+        for name, value in straggler_stats([rank[1] for rank in per_rank]).items():
+            self.writer.add_scalar(f"perf/{name}", value, step)
+
+    def stop_requested(self, step: int, epoch_ends: bool) -> int:
+        """The stop signal's number, the same on every rank at the same step, or 0."""
+        return self.stopper.stop_now(step, epoch_ends, self.device)
+
+    def stopped(self, signum: int, step: int, epoch: int) -> Interrupted:
+        """After the stop's checkpoint: the console's one line, submitit's requeue if it asked; raise what this returns."""
+        self.stopper.saved_step = step
+        interrupted = Interrupted(signum, step)
+        if self.env.is_main:
+            then = "submitit requeues the job, which resumes from it" if self.stopper.requeue_asked else f"continue with  {self.relaunch}"
+            log.warning("%s (epoch %d); checkpoint saved: %s", interrupted, epoch, then)
+        else:
+            log.info("%s", interrupted)
+        self.stopper.requeue_if_asked()
+        return interrupted
+
+    def log_validation(self, metrics: dict[str, float], step: int, epoch: int) -> None:
+        for key, value in metrics.items():
+            if key.startswith("val_") and key != "val_samples":
+                self.writer.add_scalar(key.replace("val_", "val/", 1), value, step)
+        log.info("epoch %d step %d: %s", epoch, step,
+                 " ".join(f"{key}={value:.4f}" for key, value in metrics.items() if key != "val_samples"))
+
+    def log_best(self, metric: str, value: float, step: int) -> None:
+        """The best so far of the metric that ranks validations, e.g. val/best_accuracy."""
+        self.writer.add_scalar(metric.replace("val_", "val/best_", 1), value, step)
+
+    def close_progress(self) -> None:
+        self.progress.close()
+
+    def performance(self, wall_s: float, state_bytes: list[int], step: int) -> dict:
+        """The run's throughput, memory and straggler figures, with every rank's (a collective).
+        `state_bytes`: this rank's bytes of parameters, gradients and optimizer state (UpdateStep.state_bytes),
+        also logged to TensorBoard at `step` as memory/<kind>_bytes/rank<R>."""
+        peak_mb, peak_device = peak_memory(self.cuda_devices, self.memory_reset)
+        self.compute_timer.window_per_update()  # counts the last window
+        per_rank = gather_per_rank([self.meter.data_wait_fraction, peak_mb, self.compute_timer.per_update, *state_bytes],
+                                   self.device)
+        samples_per_s = self.meter.samples_per_s
+        state_bytes_per_rank = {f"{kind}_bytes_per_rank": [int(rank[3 + i]) for rank in per_rank]
+                                for i, kind in enumerate(("parameter", "gradient", "optimizer_state"))}
+        for key, per_rank_bytes in state_bytes_per_rank.items():
+            for rank, value in enumerate(per_rank_bytes):
+                self.writer.add_scalar(f"memory/{key.removesuffix('_per_rank')}/rank{rank}", value, step)
+        return {
+            "samples_per_s": samples_per_s,
+            "samples_per_s_per_rank": samples_per_s / self.env.world_size if samples_per_s else None,
+            "data_wait_fraction_per_rank": [rank[0] for rank in per_rank],
+            "train_time_s": self.meter.seconds,
+            "wall_s": wall_s,
+            "peak_memory_mb": peak_mb,
+            "peak_memory_device": peak_device,
+            "peak_memory_mb_per_rank": [rank[1] for rank in per_rank],
+            "compute_s_per_update_per_rank": [rank[2] for rank in per_rank],
+            "straggler_ratio": straggler_stats([rank[2] for rank in per_rank])["straggler_ratio"],
+            **state_bytes_per_rank,
+        }
