@@ -20,7 +20,7 @@ from torch.distributed.elastic.multiprocessing.errors import record
 from data import build_datasets, report_skipped_samples
 from ddp.checkpoints.best import BestTracker, check_best_settings, objective_key
 from ddp.checkpoints.checkpointer import Checkpointer
-from ddp.checkpoints.resume import Position, check_update_state_fits, find_resume_checkpoint, is_restart, load_resumed_weights, resume_training
+from ddp.checkpoints.resume import check_update_state_fits, find_resume_checkpoint, is_restart, load_resumed_weights, resume_training
 from ddp.config.checks import check_model_accepts, validate
 from ddp.config.schema import MULTI_PROCESS, register_configs
 from ddp.distributed.env import DistEnv, restrict_visible_gpus, select_device, use_deterministic_cudnn
@@ -31,7 +31,7 @@ from ddp.distributed.wrap import prepare_model, process_gpus, seed_this_rank
 from ddp.jobs.failures import end_failed_job
 from ddp.jobs.faults import SampleRecorder, slow_down
 from ddp.jobs.launch import launch_workers
-from ddp.jobs.preemption import resume_command
+from ddp.jobs.preemption import StopOnSignal, resume_command
 from ddp.jobs.run_dir import register_resolvers
 from ddp.loading.loader_workers import start_worker_server
 from ddp.loading.loaders import build_train_loader, build_val_loader, iterate_from, start_epoch
@@ -39,10 +39,11 @@ from ddp.reporting.meter import reset_peak_memory
 from ddp.reporting.monitor import RunMonitor
 from ddp.reporting.rank_zero import quiet_console_on_other_ranks
 from ddp.reporting.results import log_hparams, log_results, log_setup, training_results, write_results
-from ddp.training.evaluation import Validator, evaluate_checkpoint
+from ddp.training.evaluation import Validator
 from ddp.training.optimizer import build_optimizer, build_scheduler, check_optimizer, check_schedule, scaled_lr
-from ddp.training.training_length import TrainingLength
+from ddp.training.progress import Position, TrainingLength
 from ddp.training.update import UpdateStep
+from evaluate import evaluate_checkpoint
 from models import build_model
 from tasks import build_task
 
@@ -64,7 +65,7 @@ def run(cfg: DictConfig, run_dir: Path, relaunch: str) -> dict:
         use_deterministic_cudnn()
     splits, task, length, model, resumed = check_startup(cfg, run_dir, world_size=env.world_size, restarted=is_restart(env))
     if cfg.mode == "eval":
-        return evaluate_checkpoint(cfg, env, backend, device, splits, task, run_dir, build_model)
+        return evaluate_checkpoint(cfg, env, backend, device, splits, task, run_dir)  # evaluate.py, the recipe of mode=eval
     start_worker_server(splits.train, cfg.data.num_workers)  # for DataLoader workers, while the rank sets up (ddp/loading/loader_workers.py)
     with process_group(backend, env, device, cfg.strategy.timeout_s) if distributed else contextlib.nullcontext():
         return fit(cfg, env, device, gpus, memory_reset, splits, task, length, model, resumed, run_dir, relaunch)
@@ -122,14 +123,13 @@ def fit(cfg: DictConfig, env: DistEnv, device: torch.device, gpus: list[int], me
                                 config=OmegaConf.to_container(cfg, resolve=True), saved_step=position.global_step if resumed else -1,
                                 best=best)
     monitor = RunMonitor(cfg.trainer, cfg.fault, env, device, trained_module=trained, length=length, run_dir=run_dir,
-                         start_step=position.global_step, resumed=bool(resumed), relaunch=relaunch, cuda_devices=gpus,
-                         memory_reset=memory_reset)
+                         start_step=position.global_step, resumed=bool(resumed), cuda_devices=gpus, memory_reset=memory_reset)
     slow_down(trained, cfg.fault, env.rank)  # testing aid; after the monitor's compute timer hooks in, so it counts it
     recorder = SampleRecorder(cfg.fault.record_samples_dir, env.rank, cfg.data.batch_size) if cfg.fault.record_samples_dir else None
-    with monitor:  # from here SIGTERM and Ctrl-C stop the run at a step, with a checkpoint (StopOnSignal)
+    with StopOnSignal.of(cfg.trainer, env, device, relaunch) as stopper, monitor:  # a signal now stops at a step, saved
         log_setup(cfg, env.world_size, device, length, lr, len(splits.train), len(splits.val))
         started = time.perf_counter()
-        metrics = train(cfg, env, update, train_loader, position, rank_state, length, monitor, checkpointer, validator, best, recorder)
+        metrics = train(cfg, env, update, train_loader, position, rank_state, length, stopper, monitor, checkpointer, validator, best, recorder)
         wall_s = time.perf_counter() - started
         checkpointer.save_if_unsaved(position)  # save and summarise (rank 0)
         log_hparams(monitor.writer, cfg, length, lr, env.world_size, metrics, position.global_step)
@@ -142,7 +142,7 @@ def fit(cfg: DictConfig, env: DistEnv, device: torch.device, gpus: list[int], me
 
 
 def train(cfg: DictConfig, env: DistEnv, update: UpdateStep, train_loader, position: Position, rank_state, length: TrainingLength,
-          monitor: RunMonitor, checkpointer: Checkpointer, validator: Validator, best: BestTracker,
+          stopper: StopOnSignal, monitor: RunMonitor, checkpointer: Checkpointer, validator: Validator, best: BestTracker,
           recorder: SampleRecorder | None) -> dict[str, float]:
     """The loop: epochs of updates, each followed by the run's housekeeping; validation and saves. Returns the last metrics."""
     trainer, metrics = cfg.trainer, {}
@@ -159,9 +159,9 @@ def train(cfg: DictConfig, env: DistEnv, update: UpdateStep, train_loader, posit
                                   env.world_size, record_batch)
         for loss, global_samples, epoch_ends in updates:
             monitor.after_update(update, loss, position.global_step, global_samples, epoch_ends)
-            if signum := monitor.stop_requested(position.global_step, epoch_ends):
+            if signum := stopper.stop_requested(position.global_step, epoch_ends):
                 checkpointer.save(position)
-                raise monitor.stopped(signum, position.global_step, position.epoch)
+                raise stopper.stopped(signum, position.global_step, position.epoch)
             # At an epoch's last step the save waits for validation, so a resume never repeats it.
             if checkpointer.due(position.global_step) and not epoch_ends:
                 with monitor.paused():

@@ -6,7 +6,7 @@
 - distributed/: where a process stands and how the processes work together: env, process_group,
   dtensor (helpers below fsdp and process_group), fsdp, syncbn, wrap.
 - loading/: the data's way into a rank: samplers, loaders, loader_workers.
-- training/: one update and the loop's measures: update, optimizer, ema, training_length, evaluation.
+- training/: one update and the loop's measures: update, optimizer, ema, progress, evaluation.
 - checkpoints/: what survives the process: checkpoint, sharded_checkpoint, checkpointer, resume, best,
   export (`python -m ddp.checkpoints.export`).
 - reporting/: what the run tells: rank_zero, meter, monitor, results, sweep_summary.

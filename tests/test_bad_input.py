@@ -354,7 +354,7 @@ def assert_no_run_dir_left(tmp_path: Path) -> None:
 
 # One case of each kind of startup check (train.check_startup): the config's values, the model against the
 # data, FSDP's blocks, the best/objective settings, the schedule, a resume (here FSDP's DCP shapes).
-# mode=eval's checks of its checkpoint run in the workers (ddp/training/evaluation.py): their refusal reaches the
+# mode=eval's checks of its checkpoint run in the workers (evaluate.py): their refusal reaches the
 # launcher as a result, and it prints the one line.
 SELF_LAUNCHED = ["zero_lr", "image_the_model_cannot_take", "fsdp_block_type_the_model_lacks", "misspelt_objective_metric",
                  "warmup_longer_than_the_run", "fsdp_resuming_a_sharded_checkpoint_of_another_width", "eval_of_a_split_the_data_lacks"]

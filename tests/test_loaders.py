@@ -11,9 +11,10 @@ from torch.utils.data import DistributedSampler, TensorDataset
 
 from ddp.distributed.env import DistEnv
 from ids_and_noise import IdsAndNoise
-from ddp.checkpoints.resume import Position, capture_rank_state, checkpoint_state, resume_position
+from ddp.checkpoints.resume import capture_rank_state, checkpoint_state, resume_position
 from ddp.loading.loaders import build_train_loader, build_val_loader, iterate_from, start_epoch
 from ddp.loading.samplers import epoch_order, rest_of_epoch, resume_point, shard_indices
+from ddp.training.progress import Position
 from ddp.training.update import UpdateStep
 from tasks.classification import ClassificationTask
 from train import TrainingLength, train_one_epoch

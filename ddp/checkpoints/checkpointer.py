@@ -8,9 +8,10 @@ from torch import nn
 
 from ddp.checkpoints.best import BestTracker
 from ddp.checkpoints.checkpoint import DiskFull, keep_best_checkpoints, save_step_checkpoint
-from ddp.checkpoints.resume import Position, capture_rank_state, checkpoint_state, gather_rank_states, restore_rank_state
+from ddp.checkpoints.resume import capture_rank_state, checkpoint_state, gather_rank_states, restore_rank_state
 from ddp.distributed.dtensor import is_sharded
 from ddp.distributed.env import DistEnv
+from ddp.training.progress import Position
 
 
 class Checkpointer:

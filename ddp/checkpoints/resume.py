@@ -3,7 +3,6 @@
 import logging
 import os
 import random
-from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -14,32 +13,10 @@ from torch import nn
 from ddp.checkpoints.checkpoint import CheckpointError, is_sharded_checkpoint, load_checkpoint, load_latest_checkpoint, sharded_model_shapes
 from ddp.config.schema import ConfigError
 from ddp.loading.samplers import resume_point
+from ddp.training.progress import Position
 from ddp.training.optimizer import resume_schedule
 
 log = logging.getLogger(__name__)
-
-
-@dataclass
-class Position:
-    """Where training stands; a checkpoint stores it, and a resumed run continues from it.
-
-    Within an epoch the checkpoint holds the global samples trained: the epoch's shuffled order is
-    the same at any world size (ddp/loading/samplers.py), so a resume at another world size continues it
-    exactly. The loop counts batches of its loader, which began the epoch at sample `epoch_start`.
-    """
-
-    epoch: int = 0
-    batch_in_epoch: int = 0  # batches of this epoch's loader already trained (by every rank)
-    global_step: int = 0
-    epoch_start: int = 0  # the loader's first sample of the epoch: 0 unless resumed at another world size
-    # this rank's loss sum and sample count so far in `epoch` (float64, kept on the training device)
-    epoch_totals: torch.Tensor = field(default_factory=lambda: torch.zeros(2, dtype=torch.float64))
-
-    def samples_in_epoch(self, samples_per_batch: int, train_size: int) -> int:
-        """Samples of the epoch's global order trained; `samples_per_batch`: batch_size x world_size.
-        The epoch's last batch may be partial, or pad the ranks' shares: once it is trained, all
-        `train_size` are, not a full batch more."""
-        return min(self.epoch_start + self.batch_in_epoch * samples_per_batch, train_size)
 
 
 def checkpoint_state(model: nn.Module | None, optimizer, update_state: dict[str, Any], position: Position, samples_per_batch: int,

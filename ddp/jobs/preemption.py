@@ -1,7 +1,8 @@
 """SIGTERM (preemption, torchrun stopping its workers) and Ctrl-C (SIGINT): finish the step, save,
 then exit with 128 + the signal number (143, 130). A second Ctrl-C exits at once. In a job that
 submitit started, its requeue signal (USR2, before the time limit and on preemption) also saves,
-then hands the job to submitit, which requeues it."""
+then hands the job to submitit, which requeues it. The console's line names the command that
+continues the run."""
 
 import contextlib
 import logging
@@ -17,9 +18,11 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
+from ddp.distributed.env import DistEnv
 from ddp.loading.loader_workers import shut_down_workers
 
 log = logging.getLogger(__name__)
+console = logging.getLogger("train")  # the run's own console lines, under the script's name
 
 STOP_SIGNALS = (signal.SIGTERM, signal.SIGINT)
 
@@ -38,7 +41,7 @@ class Interrupted(SystemExit):
 
 class StopOnSignal:
     """Records SIGTERM and SIGINT instead of dying at once, so the loop can checkpoint at a step
-    boundary; a context manager that puts the previous handlers back.
+    boundary (`stop_requested`, then `stopped`); a context manager that puts the previous handlers back.
 
     Under DDP the ranks agree to stop only every `check_every_n_steps` steps and at an epoch's last
     step, where the loop already waits for the device (loss logging, epoch totals): the other steps
@@ -55,8 +58,10 @@ class StopOnSignal:
     the blocked call release the GIL, as collectives, device waits and sleeps do.
     """
 
-    def __init__(self, distributed: bool, check_every_n_steps: int, deadline_s: float, requeue_signal: int | None = None):
-        self.distributed = distributed
+    def __init__(self, distributed: bool, check_every_n_steps: int, deadline_s: float, requeue_signal: int | None = None, *,
+                 device: torch.device = torch.device("cpu"), relaunch: str = "", is_main: bool = True):
+        self.distributed, self.device = distributed, device  # the agreement's tensor lives on the device
+        self.relaunch, self.is_main = relaunch, is_main  # the console's hint after a stop: the command that continues
         self.check_every_n_steps = check_every_n_steps
         self.requeue_signal = requeue_signal
         self.deadline_s = deadline_s
@@ -66,6 +71,15 @@ class StopOnSignal:
         # Held by the watchdog from the moment it gives up: the loop then can't start a stop's save.
         self._at_boundary_lock = threading.Lock()
         self._at_boundary = False
+
+    @classmethod
+    def of(cls, trainer_cfg, env: DistEnv, device: torch.device, relaunch: str) -> "StopOnSignal":
+        """The training loop's: ranks agree at log steps (trainer.log_every_n_steps), a stalled rank
+        gives up after trainer.stop_deadline_s, and in a job that submitit started its requeue signal stops too."""
+        return cls(distributed=dist.is_initialized(), check_every_n_steps=trainer_cfg.log_every_n_steps,
+                   deadline_s=trainer_cfg.stop_deadline_s,
+                   requeue_signal=submitit_requeue_signal() if env.launcher == "submitit" else None,
+                   device=device, relaunch=relaunch, is_main=env.is_main)
 
     def __enter__(self) -> "StopOnSignal":
         signums = STOP_SIGNALS if self.requeue_signal is None else (*STOP_SIGNALS, self.requeue_signal)
@@ -146,20 +160,32 @@ class StopOnSignal:
                 _log_briefly(f"submitit did not requeue the job: {error}")
         _exit_now(code)
 
-    def stop_now(self, step: int, epoch_ends: bool, device: torch.device) -> int:
+    def stop_requested(self, step: int, epoch_ends: bool) -> int:
         """The stop signal's number on every rank at the first check after any rank got one (all stop
         at the same step), else 0."""
         stop = self.received
         if self.distributed:
             if step % self.check_every_n_steps and not epoch_ends:
                 return 0
-            flag = torch.tensor([self.received], device=device)
+            flag = torch.tensor([self.received], device=self.device)
             dist.all_reduce(flag, op=dist.ReduceOp.MAX)
             stop = int(flag.item())
         if stop:
             with self._at_boundary_lock:  # waits forever if the watchdog has given up: it is exiting
                 self._at_boundary = True
         return stop
+
+    def stopped(self, signum: int, step: int, epoch: int) -> Interrupted:
+        """After the stop's checkpoint: the console's one line, submitit's requeue if it asked; raise what this returns."""
+        self.saved_step = step
+        interrupted = Interrupted(signum, step)
+        if self.is_main:
+            then = "submitit requeues the job, which resumes from it" if self.requeue_asked else f"continue with  {self.relaunch}"
+            console.warning("%s (epoch %d); checkpoint saved: %s", interrupted, epoch, then)
+        else:
+            console.info("%s", interrupted)
+        self.requeue_if_asked()
+        return interrupted
 
 
 def _log_briefly(message: str) -> None:

@@ -1,5 +1,6 @@
 """What the run watches between updates: the progress bar, the training scalars, the throughput,
-data-wait and straggler meters, the fault aids, the non-finite check and the stop check."""
+data-wait and straggler meters, the fault aids and the non-finite check. Stopping at a signal is
+StopOnSignal's (ddp/jobs/preemption.py), beside it in the loop."""
 
 import contextlib
 import logging
@@ -9,13 +10,11 @@ from collections.abc import Iterable, Iterator
 from pathlib import Path
 
 import torch
-import torch.distributed as dist
 from tqdm import tqdm
 
 from ddp.distributed.env import DistEnv
 from ddp.distributed.process_group import gather_per_rank
 from ddp.jobs.faults import inject_fault
-from ddp.jobs.preemption import Interrupted, StopOnSignal, submitit_requeue_signal
 from ddp.reporting.meter import ComputeTimer, ThroughputMeter, peak_memory, straggler_stats
 from ddp.reporting.rank_zero import RankZeroWriter
 
@@ -23,24 +22,19 @@ log = logging.getLogger("train")  # the run's own console lines, under the scrip
 
 
 class RunMonitor:
-    """A context manager for the training loop: inside it, SIGTERM, Ctrl-C and submitit's requeue
-    signal are held until the next step boundary (`stop_requested`), and `writer` is the run's
-    TensorBoard writer (rank 0 only), closed however the run ends.
+    """A context manager for the training loop: inside it `writer` is the run's TensorBoard writer
+    (rank 0 only), closed however the run ends.
 
     Reads of the device (loss, gradient norm, the finite check, the ranks' meters) happen only at
     log steps and epoch ends, where the loop waits for the device anyway."""
 
     def __init__(self, trainer_cfg, fault_cfg, env: DistEnv, device: torch.device, *, trained_module: torch.nn.Module,
-                 length, start_step: int, resumed: bool, run_dir: Path, relaunch: str, cuda_devices: list[int],
-                 memory_reset: bool):
+                 length, start_step: int, resumed: bool, run_dir: Path, cuda_devices: list[int], memory_reset: bool):
         self.log_every_n_steps, self.fault_cfg, self.env, self.device = trainer_cfg.log_every_n_steps, fault_cfg, env, device
-        self.global_batch, self.relaunch = length.global_batch, relaunch
+        self.global_batch = length.global_batch
         self.cuda_devices, self.memory_reset = cuda_devices, memory_reset
         self.meter = ThroughputMeter(trainer_cfg.warmup_steps, device)
         self.compute_timer = ComputeTimer(trained_module, device)  # this rank's own compute per update: shows a straggler
-        self.stopper = StopOnSignal(distributed=dist.is_initialized(), check_every_n_steps=trainer_cfg.log_every_n_steps,
-                                    deadline_s=trainer_cfg.stop_deadline_s,
-                                    requeue_signal=submitit_requeue_signal() if env.launcher == "submitit" else None)
         self.progress = tqdm(total=length.total_updates, initial=start_step, desc="train",
                              disable=not (env.is_main and sys.stderr.isatty()))
         # a resumed run drops the events the interrupted one logged after its checkpoint
@@ -50,7 +44,6 @@ class RunMonitor:
 
     def __enter__(self) -> "RunMonitor":
         self._exit_stack = contextlib.ExitStack()
-        self._exit_stack.enter_context(self.stopper)
         self.writer = self._exit_stack.enter_context(RankZeroWriter(self.run_dir, self.env, purge_step=self.purge_step))
         return self
 
@@ -111,22 +104,6 @@ class RunMonitor:
         self.writer.add_scalar("perf/data_wait_fraction_max", max(waits), step)
         for name, value in straggler_stats([rank[1] for rank in per_rank]).items():
             self.writer.add_scalar(f"perf/{name}", value, step)
-
-    def stop_requested(self, step: int, epoch_ends: bool) -> int:
-        """The stop signal's number, the same on every rank at the same step, or 0."""
-        return self.stopper.stop_now(step, epoch_ends, self.device)
-
-    def stopped(self, signum: int, step: int, epoch: int) -> Interrupted:
-        """After the stop's checkpoint: the console's one line, submitit's requeue if it asked; raise what this returns."""
-        self.stopper.saved_step = step
-        interrupted = Interrupted(signum, step)
-        if self.env.is_main:
-            then = "submitit requeues the job, which resumes from it" if self.stopper.requeue_asked else f"continue with  {self.relaunch}"
-            log.warning("%s (epoch %d); checkpoint saved: %s", interrupted, epoch, then)
-        else:
-            log.info("%s", interrupted)
-        self.stopper.requeue_if_asked()
-        return interrupted
 
     def log_validation(self, metrics: dict[str, float], step: int, epoch: int) -> None:
         for key, value in metrics.items():

@@ -5,7 +5,7 @@ from pathlib import Path
 
 from omegaconf import DictConfig
 
-from ddp.checkpoints.resume import Position
+from ddp.training.progress import Position
 from ddp.distributed.env import DistEnv
 from ddp.reporting.rank_zero import write_json
 

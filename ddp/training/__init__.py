@@ -1,2 +1,2 @@
-"""One update and the loop's measures: the update step, optimizer and schedule, EMA, the run's length,
-exact evaluation."""
+"""One update and the loop's measures: the update step, optimizer and schedule, EMA, the run's length
+and position, exact evaluation."""

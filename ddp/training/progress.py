@@ -1,7 +1,10 @@
-"""How long a training run is, in the units its loop counts: micro-batches, updates, epochs."""
+"""How long a training run is, in the units its loop counts (micro-batches, updates, epochs), and
+where it stands: the loop's progress, which a checkpoint stores."""
 
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+
+import torch
 
 
 @dataclass(frozen=True)
@@ -38,3 +41,26 @@ class TrainingLength:
         max_steps = trainer_cfg.max_steps if trainer_cfg.max_steps != -1 else math.inf
         return cls(batches, accumulate, updates_per_epoch, total, max_steps, batch_size * world_size * accumulate,
                    batch_size * world_size)
+
+
+@dataclass
+class Position:
+    """Where training stands; a checkpoint stores it, and a resumed run continues from it.
+
+    Within an epoch the checkpoint holds the global samples trained: the epoch's shuffled order is
+    the same at any world size (ddp/loading/samplers.py), so a resume at another world size continues it
+    exactly. The loop counts batches of its loader, which began the epoch at sample `epoch_start`.
+    """
+
+    epoch: int = 0
+    batch_in_epoch: int = 0  # batches of this epoch's loader already trained (by every rank)
+    global_step: int = 0
+    epoch_start: int = 0  # the loader's first sample of the epoch: 0 unless resumed at another world size
+    # this rank's loss sum and sample count so far in `epoch` (float64, kept on the training device)
+    epoch_totals: torch.Tensor = field(default_factory=lambda: torch.zeros(2, dtype=torch.float64))
+
+    def samples_in_epoch(self, samples_per_batch: int, train_size: int) -> int:
+        """Samples of the epoch's global order trained; `samples_per_batch`: batch_size x world_size.
+        The epoch's last batch may be partial, or pad the ranks' shares: once it is trained, all
+        `train_size` are, not a full batch more."""
+        return min(self.epoch_start + self.batch_in_epoch * samples_per_batch, train_size)

@@ -1,0 +1,76 @@
+"""mode=eval, the second recipe: `python train.py mode=eval resume=<run dir or checkpoint>` runs
+`evaluate_checkpoint` (train.py's `run` hands over after its startup checks): a checkpoint's exact
+metrics on data.split, on any strategy and world size. Training's recipe is train.py."""
+
+import contextlib
+import logging
+from pathlib import Path
+
+import torch
+from omegaconf import DictConfig
+from torch.distributed.elastic.multiprocessing.errors import record
+
+from ddp.checkpoints.checkpoint import CheckpointError
+from ddp.checkpoints.resume import find_resume_checkpoint, load_model_state
+from ddp.config.checks import check_model_accepts
+from ddp.config.schema import MULTI_PROCESS, ConfigError
+from ddp.distributed.env import DistEnv
+from ddp.distributed.process_group import process_group
+from ddp.distributed.wrap import wrap_model
+from ddp.loading.loader_workers import start_worker_server
+from ddp.loading.loaders import build_val_loader
+from ddp.reporting.rank_zero import write_json
+from ddp.training.ema import build_ema
+from ddp.training.evaluation import evaluate_with_ema
+from models import build_model
+
+log = logging.getLogger("train")  # the run's own console lines, under the script's name
+
+
+@record
+def evaluate_checkpoint(cfg: DictConfig, env: DistEnv, backend: str, device: torch.device, splits, task, run_dir: Path) -> dict:
+    """mode=eval: the exact metrics of a checkpoint (and of its EMA weights, if any) on data.split, on
+    any strategy and world size; written to run_dir/eval.json. Trains nothing and saves no checkpoint.
+    The model is built as the checkpoint's config says, so model.* needn't be repeated."""
+    split = cfg.data.split
+    dataset = splits.test if split == "test" else splits.val
+    if dataset is None:
+        raise ConfigError(f"data.split=test: this dataset ({cfg.data._target_}) has no test split; use data.split=val")
+    path, checkpoint = find_resume_checkpoint(cfg.resume, run_dir, restarted=False)
+    state = checkpoint.get("model")
+    if checkpoint.get("sharded"):  # strategy=fsdp's reads back whole, so any strategy and world size evaluates it
+        from ddp.checkpoints.sharded_checkpoint import full_model_state  # DCP, imported where it's used (ddp/distributed/fsdp.py)
+
+        try:
+            state = full_model_state(path)
+        except CheckpointError as error:
+            raise ConfigError(f"resume={cfg.resume}: {error}") from None
+    model = build_model({**checkpoint["config"]["model"], "weights_path": None}, splits.num_classes, splits.in_channels)
+    check_model_accepts(model, dataset[0][0])
+    load_model_state(model, state, path)
+    ema = None
+    if checkpoint.get("ema") is not None:
+        ema = build_ema(model, decay=0.5)  # the decay plays no part in evaluation
+        ema.load_state_dict(checkpoint["ema"])
+    start_worker_server(dataset, cfg.data.num_workers)
+    log.info("evaluating %s (step %d) on the %s split (%d samples), strategy=%s world_size=%d",
+             path, checkpoint["global_step"], split, len(dataset), cfg.strategy.name, env.world_size)
+    distributed = cfg.strategy.name in MULTI_PROCESS
+    with process_group(backend, env, device, cfg.strategy.timeout_s) if distributed else contextlib.nullcontext():
+        model = model.to(device)
+        if ema is not None:
+            ema = ema.to(device)
+        loader = build_val_loader(dataset, cfg.data, env, pin_memory=device.type == "cuda")
+        eval_model = wrap_model(model, cfg.strategy, env, device, cfg.precision) if cfg.strategy.name == "dp" else model
+        metrics = evaluate_with_ema(eval_model, ema, loader, device, cfg.trainer.limit_val_batches, task)
+    results = {
+        **{key.replace("val_", f"{split}_", 1): value for key, value in metrics.items()},
+        "checkpoint": str(path),
+        "step": checkpoint["global_step"],
+        "split": split,
+        "world_size": env.world_size,
+        "strategy": cfg.strategy.name,
+    }
+    if env.is_main:
+        write_json(results, run_dir / "eval.json")
+    return results
