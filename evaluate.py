@@ -4,22 +4,19 @@ metrics on data.split, on any strategy and world size. Training's recipe is trai
 
 import contextlib
 import logging
-from pathlib import Path
 
-import torch
-from omegaconf import DictConfig
 from torch.distributed.elastic.multiprocessing.errors import record
 
 from ddp.checkpoints.checkpoint import CheckpointError
 from ddp.checkpoints.resume import find_resume_checkpoint, load_model_state
 from ddp.config.checks import check_model_accepts
-from ddp.config.schema import MULTI_PROCESS, ConfigError
-from ddp.distributed.env import DistEnv
+from ddp.config.schema import ConfigError
 from ddp.distributed.process_group import process_group
 from ddp.distributed.wrap import wrap_model
 from ddp.loading.loader_workers import start_worker_server
 from ddp.loading.loaders import build_val_loader
 from ddp.reporting.rank_zero import write_json
+from ddp.run_context import RunContext
 from ddp.training.ema import build_ema
 from ddp.training.evaluation import evaluate_with_ema
 from models import build_model
@@ -28,10 +25,11 @@ log = logging.getLogger("train")  # the run's own console lines, under the scrip
 
 
 @record
-def evaluate_checkpoint(cfg: DictConfig, env: DistEnv, backend: str, device: torch.device, splits, task, run_dir: Path) -> dict:
+def evaluate_checkpoint(ctx: RunContext, splits, task) -> dict:
     """mode=eval: the exact metrics of a checkpoint (and of its EMA weights, if any) on data.split, on
     any strategy and world size; written to run_dir/eval.json. Trains nothing and saves no checkpoint.
     The model is built as the checkpoint's config says, so model.* needn't be repeated."""
+    cfg, env, device, run_dir = ctx.cfg, ctx.env, ctx.device, ctx.run_dir
     split = cfg.data.split
     dataset = splits.test if split == "test" else splits.val
     if dataset is None:
@@ -55,12 +53,11 @@ def evaluate_checkpoint(cfg: DictConfig, env: DistEnv, backend: str, device: tor
     start_worker_server(dataset, cfg.data.num_workers)
     log.info("evaluating %s (step %d) on the %s split (%d samples), strategy=%s world_size=%d",
              path, checkpoint["global_step"], split, len(dataset), cfg.strategy.name, env.world_size)
-    distributed = cfg.strategy.name in MULTI_PROCESS
-    with process_group(backend, env, device, cfg.strategy.timeout_s) if distributed else contextlib.nullcontext():
+    with process_group(ctx.backend, env, device, cfg.strategy.timeout_s) if ctx.distributed else contextlib.nullcontext():
         model = model.to(device)
         if ema is not None:
             ema = ema.to(device)
-        loader = build_val_loader(dataset, cfg.data, env, pin_memory=device.type == "cuda")
+        loader = build_val_loader(dataset, cfg.data, env, pin_memory=ctx.pin_memory)
         eval_model = wrap_model(model, cfg.strategy, env, device, cfg.precision) if cfg.strategy.name == "dp" else model
         metrics = evaluate_with_ema(eval_model, ema, loader, device, cfg.trainer.limit_val_batches, task)
     results = {

@@ -14,7 +14,7 @@ from pathlib import Path
 import hydra
 import torch
 from hydra.core.hydra_config import HydraConfig
-from omegaconf import DictConfig, OmegaConf
+from omegaconf import DictConfig
 from torch.distributed.elastic.multiprocessing.errors import record
 
 from data import build_datasets, report_skipped_samples
@@ -39,7 +39,9 @@ from ddp.reporting.meter import reset_peak_memory
 from ddp.reporting.monitor import RunMonitor
 from ddp.reporting.rank_zero import quiet_console_on_other_ranks
 from ddp.reporting.results import log_hparams, log_results, log_setup, training_results, write_results
+from ddp.run_context import RunContext
 from ddp.training.evaluation import Validator
+from ddp.training.housekeeping import Housekeeping
 from ddp.training.optimizer import build_optimizer, build_scheduler, check_optimizer, check_schedule, scaled_lr
 from ddp.training.progress import Position, TrainingLength
 from ddp.training.update import UpdateStep
@@ -60,15 +62,16 @@ def run(cfg: DictConfig, run_dir: Path, relaunch: str) -> dict:
     device = select_device(env, backend if distributed else None, torch.cuda.device_count())
     gpus = process_gpus(cfg.strategy.name, device)
     memory_reset = reset_peak_memory(gpus)  # peak memory is this run's (data included), also in a multirun
+    ctx = RunContext(cfg, env, backend, device, gpus, run_dir, relaunch, memory_reset)  # what every stage reads
     warn_if_syncbn_without_ddp(cfg.syncbn, cfg.strategy.name)
     if cfg.deterministic:
         use_deterministic_cudnn()
     splits, task, length, model, resumed = check_startup(cfg, run_dir, world_size=env.world_size, restarted=is_restart(env))
     if cfg.mode == "eval":
-        return evaluate_checkpoint(cfg, env, backend, device, splits, task, run_dir)  # evaluate.py, the recipe of mode=eval
-    start_worker_server(splits.train, cfg.data.num_workers)  # for DataLoader workers, while the rank sets up (ddp/loading/loader_workers.py)
+        return evaluate_checkpoint(ctx, splits, task)  # evaluate.py, the recipe of mode=eval
+    start_worker_server(splits.train, cfg.data.num_workers)  # for DataLoader workers, while the rank sets up (loading/loader_workers.py)
     with process_group(backend, env, device, cfg.strategy.timeout_s) if distributed else contextlib.nullcontext():
-        return fit(cfg, env, device, gpus, memory_reset, splits, task, length, model, resumed, run_dir, relaunch)
+        return fit(ctx, splits, task, length, model, resumed)
 
 
 def check_startup(cfg: DictConfig, run_dir: Path, *, world_size: int, restarted: bool) -> tuple:
@@ -95,14 +98,12 @@ def check_startup(cfg: DictConfig, run_dir: Path, *, world_size: int, restarted:
 
 
 @record  # a failing rank's traceback reaches torchrun's error summary (Hydra would swallow it)
-def fit(cfg: DictConfig, env: DistEnv, device: torch.device, gpus: list[int], memory_reset: bool, splits, task,
-        length: TrainingLength, model, resumed, run_dir: Path, relaunch: str) -> dict:
+def fit(ctx: RunContext, splits, task, length: TrainingLength, model, resumed) -> dict:
     """Set up training (loaders, model, update, the resumed position), train, save, and report."""
-    train_loader = build_train_loader(splits.train, cfg.data, env, cfg.seed, pin_memory=device.type == "cuda")
-    val_loader = build_val_loader(splits.val, cfg.data, env, pin_memory=device.type == "cuda")
-    model, raw_model, trained, ema = prepare_model(model, cfg.strategy, env, device, precision=cfg.precision,
-                                                   channels_last=cfg.channels_last, syncbn=cfg.syncbn, ema_decay=cfg.ema.decay,
-                                                   compile=cfg.compile, compile_mode=cfg.compile_mode)
+    cfg, env, device = ctx.cfg, ctx.env, ctx.device
+    train_loader = build_train_loader(splits.train, cfg.data, env, cfg.seed, pin_memory=ctx.pin_memory)
+    val_loader = build_val_loader(splits.val, cfg.data, env, pin_memory=ctx.pin_memory)
+    model, raw_model, trained, ema = prepare_model(model, ctx)
     lr = scaled_lr(cfg.optim, length.global_batch)
     optimizer = build_optimizer(cfg.optim, model.parameters(), lr)
     scheduler = build_scheduler(cfg.scheduler, optimizer, length.total_updates, length.updates_per_epoch)
@@ -116,47 +117,44 @@ def fit(cfg: DictConfig, env: DistEnv, device: torch.device, gpus: list[int], me
                                                env.world_size, env.rank, len(splits.train))
     position.epoch_totals = position.epoch_totals.to(device)
     best = BestTracker.of(cfg.checkpoint, cfg.trainer, cfg.task, resumed[1] if resumed else None)  # a resume's record goes on
-    validator = Validator(model, raw_model, ema, val_loader, device, cfg.trainer.limit_val_batches, task,
-                          strategy=cfg.strategy.name, syncbn=cfg.syncbn)
-    checkpointer = Checkpointer(run_dir, cfg.checkpoint, env, update, raw_model, train_loader.generator, gpus,
-                                samples_per_batch=length.samples_per_batch, train_size=len(splits.train),
-                                config=OmegaConf.to_container(cfg, resolve=True), saved_step=position.global_step if resumed else -1,
-                                best=best)
-    monitor = RunMonitor(cfg.trainer, cfg.fault, env, device, trained_module=trained, length=length, run_dir=run_dir,
-                         start_step=position.global_step, resumed=bool(resumed), cuda_devices=gpus, memory_reset=memory_reset)
+    validator = Validator(ctx, model, raw_model, ema, val_loader, task)
+    checkpointer = Checkpointer(ctx, update, raw_model, train_loader.generator, samples_per_batch=length.samples_per_batch,
+                                train_size=len(splits.train), saved_step=position.global_step if resumed else -1, best=best)
+    monitor = RunMonitor(ctx, trained, length, start_step=position.global_step, resumed=bool(resumed))
     slow_down(trained, cfg.fault, env.rank)  # testing aid; after the monitor's compute timer hooks in, so it counts it
     recorder = SampleRecorder(cfg.fault.record_samples_dir, env.rank, cfg.data.batch_size) if cfg.fault.record_samples_dir else None
-    with StopOnSignal.of(cfg.trainer, env, device, relaunch) as stopper, monitor:  # a signal now stops at a step, saved
+    house = Housekeeping(StopOnSignal.of(cfg.trainer, env, device, ctx.relaunch), monitor, checkpointer, validator, best, recorder)
+    with house.stopper, monitor:  # from here SIGTERM and Ctrl-C stop the run at a step, with a checkpoint
         log_setup(cfg, env.world_size, device, length, lr, len(splits.train), len(splits.val))
         started = time.perf_counter()
-        metrics = train(cfg, env, update, train_loader, position, rank_state, length, stopper, monitor, checkpointer, validator, best, recorder)
+        metrics = train(ctx, update, train_loader, position, rank_state, length, house)
         wall_s = time.perf_counter() - started
         checkpointer.save_if_unsaved(position)  # save and summarise (rank 0)
         log_hparams(monitor.writer, cfg, length, lr, env.world_size, metrics, position.global_step)
         performance = monitor.performance(wall_s, update.state_bytes(), position.global_step)
-    results = training_results(cfg, metrics, best.results(), position, length, lr, env.world_size, len(splits.train),
-                               performance, replicas_identical(raw_model, include_buffers=True),
-                               report_skipped_samples(splits, device))
-    write_results(results, run_dir, env)
+    results = training_results(ctx, metrics, best.results(), position, length, lr, len(splits.train), performance)
+    results |= {"replicas_identical": replicas_identical(raw_model, include_buffers=True),
+                "bad_samples_skipped": report_skipped_samples(splits, device)}  # data.on_bad_sample=skip
+    write_results(results, ctx.run_dir, env)
     return results
 
 
-def train(cfg: DictConfig, env: DistEnv, update: UpdateStep, train_loader, position: Position, rank_state, length: TrainingLength,
-          stopper: StopOnSignal, monitor: RunMonitor, checkpointer: Checkpointer, validator: Validator, best: BestTracker,
-          recorder: SampleRecorder | None) -> dict[str, float]:
+def train(ctx: RunContext, update: UpdateStep, train_loader, position: Position, rank_state, length: TrainingLength,
+          house: Housekeeping) -> dict[str, float]:
     """The loop: epochs of updates, each followed by the run's housekeeping; validation and saves. Returns the last metrics."""
-    trainer, metrics = cfg.trainer, {}
+    trainer, metrics = ctx.cfg.trainer, {}
+    stopper, monitor, checkpointer, validator, best = house.stopper, house.monitor, house.checkpointer, house.validator, house.best
     while position.epoch < trainer.max_epochs and position.global_step < length.max_steps and not best.stop:
         epoch_started = time.perf_counter()
-        start_epoch(train_loader, position.epoch, cfg.seed, env.rank, position.epoch_start)
+        start_epoch(train_loader, position.epoch, ctx.cfg.seed, ctx.env.rank, position.epoch_start)
         # as many as the full epoch, but a resumed epoch that starts part-way may have one fewer
         epoch_batches = min(len(train_loader), length.batches_per_epoch)
         restore = functools.partial(checkpointer.restore_rank_state, rank_state) if rank_state else None
         batches = iterate_from(train_loader, position.batch_in_epoch, epoch_batches, on_resume=restore)
         rank_state = None
-        record_batch = recorder.start_epoch(train_loader.sampler, position.epoch) if recorder else None
+        record_batch = house.recorder.start_epoch(train_loader.sampler, position.epoch) if house.recorder else None
         updates = train_one_epoch(update, monitor.start_epoch(batches, position.global_step), epoch_batches, position, length,
-                                  env.world_size, record_batch)
+                                  ctx.env.world_size, record_batch)
         for loss, global_samples, epoch_ends in updates:
             monitor.after_update(update, loss, position.global_step, global_samples, epoch_ends)
             if signum := stopper.stop_requested(position.global_step, epoch_ends):

@@ -1,16 +1,16 @@
 """The run's checkpoints: what was saved, the collective save, and when one is due."""
 
-from pathlib import Path
 
 import torch
 import torch.distributed as dist
+from omegaconf import OmegaConf
 from torch import nn
 
 from ddp.checkpoints.best import BestTracker
 from ddp.checkpoints.checkpoint import DiskFull, keep_best_checkpoints, save_step_checkpoint
 from ddp.checkpoints.resume import capture_rank_state, checkpoint_state, gather_rank_states, restore_rank_state
 from ddp.distributed.dtensor import is_sharded
-from ddp.distributed.env import DistEnv
+from ddp.run_context import RunContext
 from ddp.training.progress import Position
 
 
@@ -22,15 +22,14 @@ class Checkpointer:
     Every checkpoint holds `best`'s record; a save at a step whose validation entered the kept best
     ones is kept as best-<step>.pt too (checkpoint.keep_best)."""
 
-    def __init__(self, run_dir: Path, checkpoint_cfg, env: DistEnv, update, raw_model: nn.Module,
-                 loader_generator: torch.Generator, cuda_devices: list[int], *, samples_per_batch: int, train_size: int,
-                 config: dict, saved_step: int, best: BestTracker):
-        self.run_dir, self.env = run_dir, env
-        self.every_n_steps, self.keep_last = checkpoint_cfg.every_n_steps, checkpoint_cfg.keep_last
+    def __init__(self, ctx: RunContext, update, raw_model: nn.Module, loader_generator: torch.Generator, *,
+                 samples_per_batch: int, train_size: int, saved_step: int, best: BestTracker):
+        self.run_dir, self.env = ctx.run_dir, ctx.env
+        self.every_n_steps, self.keep_last = ctx.cfg.checkpoint.every_n_steps, ctx.cfg.checkpoint.keep_last
         self.update, self.raw_model, self.optimizer = update, raw_model, update.optimizer
-        self.loader_generator, self.cuda_devices = loader_generator, cuda_devices
+        self.loader_generator, self.cuda_devices = loader_generator, ctx.gpus
         self.samples_per_batch, self.train_size = samples_per_batch, train_size
-        self.config = config  # the run's resolved config, as plain containers
+        self.config = OmegaConf.to_container(ctx.cfg, resolve=True)  # the run's resolved config, as plain containers
         self.saved_step = saved_step  # -1: nothing saved by this run or the one it resumes
         self.best = best
         if saved_step >= 0:  # resumed

@@ -8,29 +8,29 @@ import torch
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 
-from ddp.config.schema import MULTI_PROCESS
 from ddp.distributed.env import DistEnv
 from ddp.distributed.fsdp import shard_model
 from ddp.distributed.syncbn import convert_syncbn
+from ddp.run_context import RunContext
 from ddp.training.ema import EMA, build_ema
 
 log = logging.getLogger(__name__)
 
 
-def prepare_model(model: nn.Module, strategy_cfg, env: DistEnv, device: torch.device, *, precision: str, channels_last: bool,
-                  syncbn: bool, ema_decay: float | None, compile: bool, compile_mode: str | None) -> tuple[nn.Module, nn.Module, nn.Module, EMA | None]:
+def prepare_model(model: nn.Module, ctx: RunContext) -> tuple[nn.Module, nn.Module, nn.Module, EMA | None]:
     """(the model that trains, wrapped; the bare model that checkpoints hold; the module compiled, or
-    not; its EMA or None), in this order: device and memory format, SyncBN (strategy=ddp or fsdp), the
-    EMA's copy, torch.compile, the strategy's wrapper. Under fsdp all three models are one, sharded in place."""
-    model = model.to(device, memory_format=torch.channels_last if channels_last else torch.preserve_format)
-    if syncbn and strategy_cfg.name in MULTI_PROCESS:
+    not; its EMA or None), in this order: device and memory format (channels_last), SyncBN (syncbn,
+    strategy=ddp or fsdp), the EMA's copy (ema.decay), torch.compile (compile, compile_mode), the
+    strategy's wrapper (in precision). Under fsdp all three models are one, sharded in place."""
+    cfg, device = ctx.cfg, ctx.device
+    model = model.to(device, memory_format=torch.channels_last if cfg.channels_last else torch.preserve_format)
+    if cfg.syncbn and ctx.distributed:
         model = convert_syncbn(model, device)
-    raw_model, ema = model, build_ema(model, ema_decay)
+    raw_model, ema = model, build_ema(model, cfg.ema.decay)
     # Compiled before wrapping, as timm does (the two orders measured alike on CPU: docs/recipes.md).
     # Checkpoints hold raw_model's plain keys, never torch.compile's `_orig_mod.` ones.
-    trained = torch.compile(model, mode=compile_mode) if compile else model
-    return wrap_model(trained, strategy_cfg, env, device, precision), raw_model, trained, ema
-
+    trained = torch.compile(model, mode=cfg.compile_mode) if cfg.compile else model
+    return wrap_model(trained, cfg.strategy, ctx.env, device, cfg.precision), raw_model, trained, ema
 
 def wrap_model(model: nn.Module, strategy_cfg, env: DistEnv, device: torch.device, precision: str) -> nn.Module:
     """single: the model itself; dp: nn.DataParallel over the visible GPUs; ddp: DistributedDataParallel;

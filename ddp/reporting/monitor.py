@@ -7,16 +7,15 @@ import logging
 import sys
 import time
 from collections.abc import Iterable, Iterator
-from pathlib import Path
 
 import torch
 from tqdm import tqdm
 
-from ddp.distributed.env import DistEnv
 from ddp.distributed.process_group import gather_per_rank
 from ddp.jobs.faults import inject_fault
 from ddp.reporting.meter import ComputeTimer, ThroughputMeter, peak_memory, straggler_stats
 from ddp.reporting.rank_zero import RankZeroWriter
+from ddp.run_context import RunContext
 
 log = logging.getLogger("train")  # the run's own console lines, under the script's name
 
@@ -28,17 +27,17 @@ class RunMonitor:
     Reads of the device (loss, gradient norm, the finite check, the ranks' meters) happen only at
     log steps and epoch ends, where the loop waits for the device anyway."""
 
-    def __init__(self, trainer_cfg, fault_cfg, env: DistEnv, device: torch.device, *, trained_module: torch.nn.Module,
-                 length, start_step: int, resumed: bool, run_dir: Path, cuda_devices: list[int], memory_reset: bool):
-        self.log_every_n_steps, self.fault_cfg, self.env, self.device = trainer_cfg.log_every_n_steps, fault_cfg, env, device
+    def __init__(self, ctx: RunContext, trained_module: torch.nn.Module, length, *, start_step: int, resumed: bool):
+        trainer_cfg, env, device = ctx.cfg.trainer, ctx.env, ctx.device
+        self.log_every_n_steps, self.fault_cfg, self.env, self.device = trainer_cfg.log_every_n_steps, ctx.cfg.fault, env, device
         self.global_batch = length.global_batch
-        self.cuda_devices, self.memory_reset = cuda_devices, memory_reset
+        self.cuda_devices, self.memory_reset = ctx.gpus, ctx.memory_reset
         self.meter = ThroughputMeter(trainer_cfg.warmup_steps, device)
         self.compute_timer = ComputeTimer(trained_module, device)  # this rank's own compute per update: shows a straggler
         self.progress = tqdm(total=length.total_updates, initial=start_step, desc="train",
                              disable=not (env.is_main and sys.stderr.isatty()))
         # a resumed run drops the events the interrupted one logged after its checkpoint
-        self.run_dir, self.purge_step = run_dir, start_step + 1 if resumed else None
+        self.run_dir, self.purge_step = ctx.run_dir, start_step + 1 if resumed else None
         self.writer: RankZeroWriter | None = None
         self._logged_step, self._logged_at = start_step, time.perf_counter()
 

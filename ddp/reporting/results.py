@@ -5,17 +5,20 @@ from pathlib import Path
 
 from omegaconf import DictConfig
 
-from ddp.training.progress import Position
 from ddp.distributed.env import DistEnv
 from ddp.reporting.rank_zero import write_json
+from ddp.run_context import RunContext
+from ddp.training.progress import Position
 
 log = logging.getLogger("train")  # the run's own console lines, under the script's name
 
 
-def training_results(cfg: DictConfig, metrics: dict[str, float], best_results: dict, position: Position, length, lr: float, world_size: int,
-                     train_size: int, performance: dict, replicas_identical: bool, bad_samples_skipped: int | None) -> dict:
+def training_results(ctx: RunContext, metrics: dict[str, float], best_results: dict, position: Position, length, lr: float,
+                     train_size: int, performance: dict) -> dict:
     """results.json: the final metrics, the best validation's (BestTracker.results: best_step, best_<metric>,
-    stopped_early), how far the run got, its settings, and `performance` (RunMonitor's)."""
+    stopped_early), how far the run got, its settings, and `performance` (RunMonitor's); train.py adds
+    the end-of-run checks after them."""
+    cfg, world_size = ctx.cfg, ctx.env.world_size
     epoch_samples = min(length.samples_per_batch * length.batches_per_epoch, train_size)
     return {
         **metrics,
@@ -31,8 +34,6 @@ def training_results(cfg: DictConfig, metrics: dict[str, float], best_results: d
         "lr": lr,
         "precision": cfg.precision,
         **performance,
-        "replicas_identical": replicas_identical,
-        "bad_samples_skipped": bad_samples_skipped,  # data.on_bad_sample=skip
     }
 
 

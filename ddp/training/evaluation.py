@@ -7,10 +7,10 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from ddp.config.schema import MULTI_PROCESS
 from ddp.distributed.dtensor import is_sharded
 from ddp.distributed.process_group import all_reduce_sum, broadcast_buffers_from_rank_zero
 from ddp.loading.samplers import shard_indices
+from ddp.run_context import RunContext
 
 
 @torch.no_grad()
@@ -60,17 +60,17 @@ def evaluate_with_ema(model: nn.Module, ema, loader, device: torch.device, limit
 class Validator:
     """Validation during training, of the model the checkpoint saves (and of its EMA weights)."""
 
-    def __init__(self, model: nn.Module, raw_model: nn.Module, ema, loader, device: torch.device, limit_batches: int,
-                 task, *, strategy: str, syncbn: bool):
+    def __init__(self, ctx: RunContext, model: nn.Module, raw_model: nn.Module, ema, loader, task):
+        strategy = ctx.cfg.strategy.name
         # DDP's forward may sync buffers, and ranks can hold different numbers of val batches: evaluate
         # the bare, uncompiled model (no eval-mode graph to compile, nor a recompile for a short last
         # batch). DataParallel has no collectives and keeps its multi-GPU eval. Under FSDP the bare
         # model is the sharded one (`evaluate` keeps its ranks in step).
         self.eval_model = model if strategy == "dp" else raw_model
         self.raw_model, self.ema, self.loader = raw_model, ema, loader
-        self.device, self.limit_batches, self.task = device, limit_batches, task
+        self.device, self.limit_batches, self.task = ctx.device, ctx.cfg.trainer.limit_val_batches, task
         # Without SyncBN each rank's BatchNorm statistics drift apart: evaluate rank 0's, the saved ones.
-        self.sync_buffers = strategy in MULTI_PROCESS and not syncbn
+        self.sync_buffers = ctx.distributed and not ctx.cfg.syncbn
 
     def validate(self) -> dict[str, float]:
         if self.sync_buffers:
