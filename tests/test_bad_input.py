@@ -330,9 +330,19 @@ CLI_CASES = ["image_the_model_cannot_take"]
 
 @pytest.mark.parametrize("case", CLI_CASES)
 def test_our_config_errors_are_one_line_and_exit_1_on_the_command_line(tmp_path, case):
+    result = _refused_on_the_command_line(case, tmp_path)
+    assert_nothing_trained(tmp_path, result)
+    assert_no_run_dir_left(tmp_path)
+
+
+def _refused_on_the_command_line(case: str, tmp_path: Path, strategy: tuple[str, ...] = ()) -> subprocess.CompletedProcess:
+    """Launch OUR_ERRORS[case] (with `strategy` unless the case picks fsdp): exit 1 and one `error:` line that
+    names the case's key and message."""
     args, key, message, setup = OUR_ERRORS[case]
     folder = setup(tmp_path) if setup else None
     args = [arg.format(tmp=tmp_path, dir=folder) for arg in args]
+    if "strategy=fsdp" not in args:
+        args += strategy
     result = launch(args, cwd=tmp_path, timeout=120)
     assert result.returncode == 1, _output(result)
     lines = result.stderr.strip().splitlines()
@@ -340,8 +350,7 @@ def test_our_config_errors_are_one_line_and_exit_1_on_the_command_line(tmp_path,
     assert key.format(tmp=tmp_path, dir=folder) in lines[0], lines[0]
     for part in (message,) if isinstance(message, str) else message:
         assert part in lines[0], lines[0]
-    assert_nothing_trained(tmp_path, result)
-    assert_no_run_dir_left(tmp_path)
+    return result
 
 
 def assert_no_run_dir_left(tmp_path: Path) -> None:
@@ -366,18 +375,7 @@ def test_startup_checks_refuse_a_self_launch_in_one_line_before_any_worker(tmp_p
     """`python train.py strategy=ddp|fsdp strategy.nproc_per_node=2 ...`: the launcher runs the startup checks
     at the launch's world size, so a refused config prints the one `error:` line, exits 1, starts no worker
     (but for a refusal only the workers can find) and leaves no run dir."""
-    args, key, message, setup = OUR_ERRORS[case]
-    folder = setup(tmp_path) if setup else None
-    args = [arg.format(tmp=tmp_path, dir=folder) for arg in args]
-    if "strategy=fsdp" not in args:
-        args += ["strategy=ddp", "strategy.nproc_per_node=2"]
-    result = launch(args, cwd=tmp_path, timeout=120)
-    assert result.returncode == 1, _output(result)
-    lines = result.stderr.strip().splitlines()
-    assert len(lines) == 1 and lines[0].startswith("error: "), result.stderr
-    assert key.format(tmp=tmp_path, dir=folder) in lines[0], lines[0]
-    for part in (message,) if isinstance(message, str) else message:
-        assert part in lines[0], lines[0]
+    result = _refused_on_the_command_line(case, tmp_path, strategy=("strategy=ddp", "strategy.nproc_per_node=2"))
     assert ("DDP workers" in result.stdout) == (case in FOUND_IN_WORKERS), result.stdout  # launch_workers' first line
     assert_nothing_trained(tmp_path, result)
     assert_no_run_dir_left(tmp_path)
