@@ -107,7 +107,7 @@ def fit(ctx: RunContext, splits, task, length: TrainingLength, model, resumed) -
     lr = scaled_lr(cfg.optim, length.global_batch)
     optimizer = build_optimizer(cfg.optim, model.parameters(), lr)
     scheduler = build_scheduler(cfg.scheduler, optimizer, length.total_updates, length.updates_per_epoch)
-    update = UpdateStep(model, optimizer, task=task, device=device, precision=cfg.precision, scheduler=scheduler,
+    update = UpdateStep(model, optimizer, task=task, precision=cfg.precision, scheduler=scheduler,
                         clip_norm=cfg.trainer.gradient_clip_norm, ema=ema, channels_last=cfg.channels_last)
 
     seed_this_rank(model, cfg.seed + env.rank)  # per-rank randomness (dropout) from here on

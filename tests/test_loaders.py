@@ -147,7 +147,7 @@ def train_epoch_part(size: int, world_size: int, accumulate: int, checkpoint: di
         model = nn.Linear(1, 2)
         model.register_forward_pre_hook(lambda module, args, ids=ids: ids.extend(args[0][:, 0].long().tolist()))
         optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
-        update = UpdateStep(model, optimizer, task=ClassificationTask(), device=torch.device("cpu"), precision="32")
+        update = UpdateStep(model, optimizer, task=ClassificationTask(), precision="32")
         loader = build_train_loader(dataset, LoaderConfig, DistEnv(rank=rank, world_size=world_size), 0, False)
         # fit's epoch, as it starts one and tells when it has ended
         start_epoch(loader, position.epoch, 0, rank, position.epoch_start)

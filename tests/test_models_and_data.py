@@ -61,7 +61,7 @@ def test_a_model_by_name_builds_and_trains_one_step(overrides):
     torch.manual_seed(0)
     model = build_model(compose_config(*overrides).model, num_classes=5, in_channels=1)
     before = {name: p.detach().clone() for name, p in model.named_parameters()}
-    update = UpdateStep(model, torch.optim.SGD(model.parameters(), lr=0.1), task=ClassificationTask(), device=CPU, precision="32")
+    update = UpdateStep(model, torch.optim.SGD(model.parameters(), lr=0.1), task=ClassificationTask(), precision="32")
     for _ in range(2):
         loss = update.micro_step(torch.randn(2, 1, 32, 32), torch.tensor([0, 4]), micro_index=0, group_size=1)
         assert torch.isfinite(loss)
@@ -296,7 +296,7 @@ def test_mixed_batches_train_on_soft_targets_with_label_smoothing(mixup_alpha, c
     assert not torch.equal(targets, F.one_hot(labels, 4).float())  # soft, not the hard labels
     expected = F.cross_entropy(model(mixed), targets, label_smoothing=0.1)
     task = ClassificationTask(4, label_smoothing=0.1, mixup_alpha=mixup_alpha, cutmix_alpha=cutmix_alpha)
-    update = UpdateStep(model, torch.optim.SGD(model.parameters(), lr=0.0), task=task, device=CPU, precision="32")
+    update = UpdateStep(model, torch.optim.SGD(model.parameters(), lr=0.0), task=task, precision="32")
     torch.manual_seed(5)
     assert torch.equal(update.micro_step(images, labels, micro_index=0, group_size=1), expected.detach())
 

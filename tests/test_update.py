@@ -37,7 +37,7 @@ def test_autocast_is_really_on(precision, dtype):
     model = small_model()
     seen = []
     model.features[0].register_forward_hook(lambda module, inputs, output: seen.append(output.dtype))
-    update = UpdateStep(model, torch.optim.SGD(model.parameters(), lr=0.1), task=ClassificationTask(), device=torch.device("cpu"), precision=precision)
+    update = UpdateStep(model, torch.optim.SGD(model.parameters(), lr=0.1), task=ClassificationTask(), precision=precision)
     update.micro_step(*batch(), micro_index=0, group_size=1)
     assert seen == [dtype]
     assert (update.scaler is not None) == (precision == "16")  # bf16 needs no GradScaler
@@ -71,7 +71,7 @@ def test_the_update_and_evaluation_take_the_loss_and_metrics_from_the_task():
     torch.manual_seed(0)
     model, inputs, targets = nn.Linear(3, 2), torch.randn(10, 3), torch.randn(10, 2)
     expected_loss = ((model(inputs) - targets) ** 2).mean()
-    update = UpdateStep(model, torch.optim.SGD(model.parameters(), lr=0.1), task=SquaredError(), device=torch.device("cpu"), precision="32")
+    update = UpdateStep(model, torch.optim.SGD(model.parameters(), lr=0.1), task=SquaredError(), precision="32")
     assert torch.equal(update.micro_step(inputs, targets, micro_index=0, group_size=1), expected_loss.detach())
     loader = torch.utils.data.DataLoader(torch.utils.data.TensorDataset(inputs, targets), batch_size=4)
     metrics = evaluate(model, loader, torch.device("cpu"), -1, SquaredError())
@@ -86,7 +86,7 @@ def test_two_accumulated_halves_equal_one_whole_batch():
     images, labels = batch(32)
     whole, halves = small_model("group"), small_model("group")
     for model, groups in ((whole, [(images, labels)]), (halves, [(images[:16], labels[:16]), (images[16:], labels[16:])])):
-        update = UpdateStep(model, torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9), task=ClassificationTask(), device=torch.device("cpu"),
+        update = UpdateStep(model, torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9), task=ClassificationTask(),
                             precision="32")
         for _ in range(3):
             for index, (x, y) in enumerate(groups):
@@ -101,7 +101,7 @@ def test_updates_happen_once_per_group_and_the_schedule_steps_with_them():
     scheduler = build_scheduler(OmegaConf.create({"name": "cosine", "warmup_steps": 2, "warmup_epochs": 0, "min_lr": 0.0}),
                                 optimizer, total_updates=10, updates_per_epoch=10)
     ema = build_ema(model, 0.9)
-    update = UpdateStep(model, optimizer, task=ClassificationTask(), device=torch.device("cpu"), precision="32", scheduler=scheduler, ema=ema)
+    update = UpdateStep(model, optimizer, task=ClassificationTask(), precision="32", scheduler=scheduler, ema=ema)
     before = copy.deepcopy(model.state_dict())
     images, labels = batch()
     for micro in range(3):
@@ -201,7 +201,7 @@ def test_a_step_the_fp16_scaler_skips_still_advances_the_schedule_and_is_no_dive
     optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
     scheduler = build_scheduler(OmegaConf.create({"name": "cosine", "warmup_steps": 2, "warmup_epochs": 0, "min_lr": 0.0}),
                                 optimizer, total_updates=10, updates_per_epoch=10)
-    update = UpdateStep(model, optimizer, task=ClassificationTask(), device=torch.device("cpu"), precision="16", scheduler=scheduler)
+    update = UpdateStep(model, optimizer, task=ClassificationTask(), precision="16", scheduler=scheduler)
     update.scaler = torch.amp.GradScaler("cpu", init_scale=2.0**100)
     before = copy.deepcopy(model.state_dict())
     update.micro_step(*batch(), micro_index=0, group_size=1)

@@ -38,12 +38,13 @@ class UpdateStep:
     sync every step.
     """
 
-    def __init__(self, model: nn.Module, optimizer: torch.optim.Optimizer, *, task, device: torch.device, precision: str,
+    def __init__(self, model: nn.Module, optimizer: torch.optim.Optimizer, *, task, precision: str,
                  scheduler: lr_scheduler.LRScheduler | None = None, clip_norm: float | None = None,
                  ema: "EMA | None" = None, channels_last: bool = False):
         self.model, self.optimizer, self.scheduler, self.ema = model, optimizer, scheduler, ema
         self.task = task  # its train_batch and loss (tasks/__init__.py)
-        self.device = device
+        # batches go where the model computes: its parameters' device (DataParallel's first replica, a shard's)
+        self.device = device = next(model.parameters()).device
         sharded = is_sharded(model)
         # FSDP's MixedPrecisionPolicy casts instead of autocast (ddp/distributed/fsdp.py)
         self.autocast_dtype = None if sharded else AUTOCAST_DTYPES[precision]

@@ -94,7 +94,7 @@ def root_alone(out: Path, rank: int) -> None:
 
 def inf_on_one_rank(out: Path, rank: int) -> None:
     model = small_cnn(precision="16")
-    update = UpdateStep(model, torch.optim.SGD(model.parameters(), lr=0.1), task=ClassificationTask(10), device=CPU,
+    update = UpdateStep(model, torch.optim.SGD(model.parameters(), lr=0.1), task=ClassificationTask(10),
                         precision="16")
     poison = [False]
 
