@@ -55,12 +55,11 @@ def save_checkpoint(state: dict[str, Any], path: Path) -> None:
         written_mb = os.stat(tmp_name).st_size / 2**20 if os.path.exists(tmp_name) else 0.0
         full = _no_space_left(error, path.parent)  # asked before the temp file's removal frees its space
         Path(tmp_name).unlink(missing_ok=True)
+        free_mb = shutil.disk_usage(path.parent).free / 2**20
         if full:
-            free_mb = shutil.disk_usage(path.parent).free / 2**20
             raise DiskFull(f"saving {path} failed: no space left on device ({path.parent} has {free_mb:.1f} MB free, and "
                            f"the save needs more than the {written_mb:.1f} MB it wrote); what was saved before is intact") from None
         if isinstance(error, RuntimeError):  # torch hides the errno ("unexpected pos ..." on a full disk)
-            free_mb = shutil.disk_usage(path.parent).free / 2**20
             raise RuntimeError(f"saving {path} failed, the previous checkpoint is intact ({free_mb:.0f} MB free): {error}") from error
         raise
     fsync_dir(path.parent)

@@ -97,4 +97,3 @@ def shard_model(model: nn.Module, strategy_cfg, device: torch.device, precision:
     log.info("fsdp: %d block(s) sharded, then the root, over %d ranks (reshard_after_forward=%s, precision=%s)",
              len(blocks), mesh.size(), strategy_cfg.reshard_after_forward, precision)
     return model
-

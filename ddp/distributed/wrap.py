@@ -32,6 +32,7 @@ def prepare_model(model: nn.Module, ctx: RunContext) -> tuple[nn.Module, nn.Modu
     trained = torch.compile(model, mode=cfg.compile_mode) if cfg.compile else model
     return wrap_model(trained, cfg.strategy, ctx.env, device, cfg.precision), raw_model, trained, ema
 
+
 def wrap_model(model: nn.Module, strategy_cfg, env: DistEnv, device: torch.device, precision: str) -> nn.Module:
     """single: the model itself; dp: nn.DataParallel over the visible GPUs; ddp: DistributedDataParallel;
     fsdp: the model itself, sharded, in `precision` (ddp/distributed/fsdp.py; the others autocast in ddp/training/update.py)."""

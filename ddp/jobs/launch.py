@@ -80,4 +80,3 @@ def _worker(run: Callable, container: dict, run_dir: str, relaunch: str, job_nam
         return run(OmegaConf.create(container), Path(run_dir), relaunch)
     except ONE_LINE_ERRORS as error:
         return {ONE_LINE_ERROR: error}
-

@@ -212,6 +212,7 @@ def _exit_now(code: int) -> None:
             os.kill(child.pid, signal.SIGKILL)
     os._exit(code)
 
+
 def resume_command(script: str, overrides: list[str], nproc_per_node: int | None, run_dir: Path) -> str:
     """The command that continues this run where its last checkpoint left it: the same launcher
     (`torchrun --nproc_per_node=N` when `nproc_per_node` is given, else `python`), the same overrides
