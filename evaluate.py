@@ -43,7 +43,8 @@ def evaluate_checkpoint(ctx: RunContext, splits, task) -> dict:
             state = full_model_state(path)
         except CheckpointError as error:
             raise ConfigError(f"resume={cfg.resume}: {error}") from None
-    model = build_model({**checkpoint["config"]["model"], "weights_path": None}, splits.num_classes, splits.in_channels)
+    model = build_model({**checkpoint["config"]["model"], "weights_path": None}, splits.num_classes, splits.in_channels,
+                        with_heads=task.with_heads)
     check_model_accepts(model, dataset[0][0])
     load_model_state(model, state, path)
     ema = None

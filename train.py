@@ -33,6 +33,7 @@ from ddp.jobs.faults import SampleRecorder, slow_down
 from ddp.jobs.launch import launch_workers
 from ddp.jobs.preemption import StopOnSignal, resume_command
 from ddp.jobs.run_dir import register_resolvers
+from ddp.loading.batches import batch_size, one_sample_batch
 from ddp.loading.loader_workers import start_worker_server
 from ddp.loading.loaders import build_train_loader, build_val_loader, iterate_from, start_epoch
 from ddp.reporting.meter import reset_peak_memory
@@ -41,6 +42,7 @@ from ddp.reporting.rank_zero import quiet_console_on_other_ranks
 from ddp.reporting.results import log_hparams, log_results, log_setup, training_results, write_results
 from ddp.run_context import RunContext
 from ddp.training.evaluation import Validator
+from ddp.training.frozen import check_frozen_fits, prepare_frozen
 from ddp.training.housekeeping import Housekeeping
 from ddp.training.optimizer import build_optimizer, build_scheduler, check_optimizer, check_schedule, scaled_lr
 from ddp.training.progress import Position, TrainingLength
@@ -79,12 +81,12 @@ def check_startup(cfg: DictConfig, run_dir: Path, *, world_size: int, restarted:
     process too, so no worker starts for a refused config. Returns (splits, task, length, model, resumed): the last 3 None in eval."""
     torch.manual_seed(cfg.seed)  # data, task and model: identical on every rank (same seed)
     splits = build_datasets(cfg.data)
-    task = build_task(cfg.task, splits.num_classes, splits.class_names)
+    task = build_task(cfg.task, splits.num_classes, splits.class_names, splits.in_channels)
     if cfg.mode == "eval":
         return splits, task, None, None, None
     length = TrainingLength.of(cfg.trainer, len(splits.train), cfg.data.batch_size, world_size)
     check_schedule(cfg.scheduler, length.total_updates, length.updates_per_epoch)
-    model = build_model(cfg.model, splits.num_classes, splits.in_channels)
+    model = build_model(cfg.model, splits.num_classes, splits.in_channels, with_heads=task.with_heads)
     check_model_accepts(model, splits.val[0][0])
     check_blocks(model, cfg.strategy)
     check_optimizer(cfg.optim)  # the real optimizer needs the wrapped model
@@ -92,8 +94,9 @@ def check_startup(cfg: DictConfig, run_dir: Path, *, world_size: int, restarted:
     if resumed:  # weights load before wrapping, so DDP starts every rank from them
         load_resumed_weights(model, resumed, cfg.strategy.name)
         check_update_state_fits(resumed[1], resumed[0], cfg)
+        check_frozen_fits(task, resumed[1], resumed[0])
     check_best_settings(cfg.checkpoint, cfg.trainer, cfg.task, run_epochs=length.epochs, task=task, model=model,
-                        val_sample=splits.val[0], resumed=resumed)
+                        val_batch=one_sample_batch(splits.val), resumed=resumed)
     return splits, task, length, model, resumed
 
 
@@ -104,20 +107,19 @@ def fit(ctx: RunContext, splits, task, length: TrainingLength, model, resumed) -
     train_loader = build_train_loader(splits.train, cfg.data, env, cfg.seed, pin_memory=ctx.pin_memory)
     val_loader = build_val_loader(splits.val, cfg.data, env, pin_memory=ctx.pin_memory)
     model, raw_model, trained, ema = prepare_model(model, ctx)
+    prepare_frozen(task, device)  # a teacher: on the device, eval, no gradients; never wrapped or trained
     lr = scaled_lr(cfg.optim, length.global_batch)
     optimizer = build_optimizer(cfg.optim, model.parameters(), lr)
     scheduler = build_scheduler(cfg.scheduler, optimizer, length.total_updates, length.updates_per_epoch)
     update = UpdateStep(model, optimizer, task=task, precision=cfg.precision, scheduler=scheduler,
                         clip_norm=cfg.trainer.gradient_clip_norm, ema=ema, channels_last=cfg.channels_last)
-
     seed_this_rank(model, cfg.seed + env.rank)  # per-rank randomness (dropout) from here on
-    position, rank_state = Position(), None
-    if resumed:  # this run's LR and length apply
-        position, rank_state = resume_training(resumed, update, lr, length.total_updates, cfg.data.batch_size,
-                                               env.world_size, env.rank, len(splits.train))
+    position, rank_state = resume_training(resumed, update, lr, length.total_updates, cfg.data.batch_size, env.world_size,
+                                           env.rank, len(splits.train)) if resumed else (Position(), None)  # this run's LR, length
     position.epoch_totals = position.epoch_totals.to(device)
     best = BestTracker.of(cfg.checkpoint, cfg.trainer, cfg.task, resumed[1] if resumed else None)  # a resume's record goes on
     validator = Validator(ctx, model, raw_model, ema, val_loader, task)
+    baselines = validator.validate_baselines()  # e.g. the teacher's val metrics: what the model is chasing
     checkpointer = Checkpointer(ctx, update, raw_model, train_loader.generator, samples_per_batch=length.samples_per_batch,
                                 train_size=len(splits.train), saved_step=position.global_step if resumed else -1, best=best)
     monitor = RunMonitor(ctx, trained, length, start_step=position.global_step, resumed=bool(resumed))
@@ -125,14 +127,14 @@ def fit(ctx: RunContext, splits, task, length: TrainingLength, model, resumed) -
     recorder = SampleRecorder(cfg.fault.record_samples_dir, env.rank, cfg.data.batch_size) if cfg.fault.record_samples_dir else None
     house = Housekeeping(StopOnSignal.of(cfg.trainer, env, device, ctx.relaunch), monitor, checkpointer, validator, best, recorder)
     with house.stopper, monitor:  # from here SIGTERM and Ctrl-C stop the run at a step, with a checkpoint
-        log_setup(cfg, env.world_size, device, length, lr, len(splits.train), len(splits.val))
+        log_setup(cfg, env.world_size, device, length, lr, len(splits.train), len(splits.val), baselines)
         started = time.perf_counter()
         metrics = train(ctx, update, train_loader, position, rank_state, length, house)
         wall_s = time.perf_counter() - started
         checkpointer.save_if_unsaved(position)  # save and summarise (rank 0)
         log_hparams(monitor.writer, cfg, length, lr, env.world_size, metrics, position.global_step)
         performance = monitor.performance(wall_s, update.state_bytes(), position.global_step)
-    results = training_results(ctx, metrics, best.results(), position, length, lr, len(splits.train), performance)
+    results = training_results(ctx, metrics | baselines, best.results(), position, length, lr, len(splits.train), performance)
     results |= {"replicas_identical": replicas_identical(raw_model, include_buffers=True),
                 "bad_samples_skipped": report_skipped_samples(splits, device)}  # data.on_bad_sample=skip
     write_results(results, ctx.run_dir, env)
@@ -196,7 +198,7 @@ def train_one_epoch(update: UpdateStep, batches, epoch_batches: int, position: P
     over all ranks, whether the epoch ends). No batch past the run's last update is loaded. `record_batch`: fault aid."""
     update.model.train()
     group_samples, first_batch = 0, None
-    for batch_index, (images, targets) in batches:
+    for batch_index, batch in batches:
         if record_batch is not None:
             record_batch(batch_index, position.global_step + 1)  # the update this batch counts toward
         first_batch = batch_index if first_batch is None else first_batch
@@ -204,11 +206,11 @@ def train_one_epoch(update: UpdateStep, batches, epoch_batches: int, position: P
         # a resume at another world size may land inside a group: that group starts where the resume does
         group_start = max(aligned_start, first_batch)
         group_size = min(aligned_start + length.accumulate, epoch_batches) - group_start
-        loss = update.micro_step(images, targets, batch_index - group_start, group_size)
-        position.batch_in_epoch = batch_index + 1
-        position.epoch_totals[0] += loss.double() * len(targets)  # on the device: no host sync per step
-        position.epoch_totals[1] += len(targets)
-        group_samples += len(targets)
+        loss = update.micro_step(batch, batch_index - group_start, group_size)
+        position.batch_in_epoch, samples = batch_index + 1, batch_size(batch)
+        position.epoch_totals[0] += loss.double() * samples  # on the device: no host sync per step
+        position.epoch_totals[1] += samples
+        group_samples += samples
         if position.batch_in_epoch - group_start < group_size:
             continue  # the update comes with the group's last micro-batch
         position.global_step += 1

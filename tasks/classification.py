@@ -9,9 +9,10 @@ import torch
 from torch.nn import functional as F
 
 from data.mix import build_batch_mix
+from tasks import Task
 
 
-class ClassificationTask:
+class ClassificationTask(Task):
     def __init__(self, num_classes: int | None = None, *, label_smoothing: float = 0.0, mixup_alpha: float = 0.0,
                  cutmix_alpha: float = 0.0, class_names: list[str] | None = None):
         self.label_smoothing = label_smoothing
@@ -39,6 +40,3 @@ class ClassificationTask:
     def metrics(self, sums: torch.Tensor) -> dict[str, float]:
         loss_sum, correct, count = sums.tolist()
         return {"loss": loss_sum / count, "accuracy": correct / count, "samples": int(count)}
-
-    def log_validation(self, writer, model, dataset, device: torch.device, step: int) -> None:
-        """Nothing beyond the scalars."""

@@ -22,6 +22,7 @@ from torchvision.utils import make_grid
 from data.segmentation_transforms import IGNORE_INDEX
 from ddp.config.schema import ConfigError
 from ddp.distributed.dtensor import is_sharded
+from tasks import Task
 
 HEADER = 2  # loss sum and image count, before the confusion matrix
 
@@ -117,7 +118,7 @@ def _rescaled(image: torch.Tensor) -> torch.Tensor:
     return ((image - low) / (high - low).clamp(min=1e-6)).cpu()
 
 
-class SegmentationTask:
+class SegmentationTask(Task):
     """Per-pixel cross-entropy (plus aux_weight x the auxiliary head's), confusion-matrix sums, and
     pixel accuracy, per-class IoU and mIoU. No batch transforms: MixUp, CutMix and label smoothing are
     refused, since a mixed or smoothed mask has no class id per pixel for the confusion matrix."""
@@ -141,9 +142,6 @@ class SegmentationTask:
         self.num_classes, self.class_names = num_classes, class_names
         self.aux_weight, self.ignore_index = aux_weight, ignore_index
         self.num_images_logged = num_images_logged
-
-    def train_batch(self, images: torch.Tensor, targets: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        return images, targets
 
     def loss(self, output, targets: torch.Tensor) -> torch.Tensor:
         return segmentation_loss(output, targets, self.ignore_index, self.aux_weight)

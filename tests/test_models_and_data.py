@@ -63,7 +63,7 @@ def test_a_model_by_name_builds_and_trains_one_step(overrides):
     before = {name: p.detach().clone() for name, p in model.named_parameters()}
     update = UpdateStep(model, torch.optim.SGD(model.parameters(), lr=0.1), task=ClassificationTask(), precision="32")
     for _ in range(2):
-        loss = update.micro_step(torch.randn(2, 1, 32, 32), torch.tensor([0, 4]), micro_index=0, group_size=1)
+        loss = update.micro_step((torch.randn(2, 1, 32, 32), torch.tensor([0, 4])), micro_index=0, group_size=1)
         assert torch.isfinite(loss)
     assert model(torch.randn(2, 1, 32, 32)).shape == (2, 5)
     unchanged = [name for name, p in model.named_parameters() if torch.equal(p, before[name])]
@@ -298,7 +298,7 @@ def test_mixed_batches_train_on_soft_targets_with_label_smoothing(mixup_alpha, c
     task = ClassificationTask(4, label_smoothing=0.1, mixup_alpha=mixup_alpha, cutmix_alpha=cutmix_alpha)
     update = UpdateStep(model, torch.optim.SGD(model.parameters(), lr=0.0), task=task, precision="32")
     torch.manual_seed(5)
-    assert torch.equal(update.micro_step(images, labels, micro_index=0, group_size=1), expected.detach())
+    assert torch.equal(update.micro_step((images, labels), micro_index=0, group_size=1), expected.detach())
 
 
 def test_no_mixing_by_default():

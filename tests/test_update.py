@@ -17,6 +17,7 @@ from ddp.training.evaluation import evaluate
 from ddp.training.optimizer import build_scheduler, resume_schedule
 from ddp.training.update import UpdateStep
 from models.small_cnn import SmallCNN
+from tasks import Task
 from tasks.classification import ClassificationTask
 from workers.host_reads import HostReads
 
@@ -38,13 +39,13 @@ def test_autocast_is_really_on(precision, dtype):
     seen = []
     model.features[0].register_forward_hook(lambda module, inputs, output: seen.append(output.dtype))
     update = UpdateStep(model, torch.optim.SGD(model.parameters(), lr=0.1), task=ClassificationTask(), precision=precision)
-    update.micro_step(*batch(), micro_index=0, group_size=1)
+    update.micro_step(batch(), micro_index=0, group_size=1)
     assert seen == [dtype]
     assert (update.scaler is not None) == (precision == "16")  # bf16 needs no GradScaler
     assert all(p.dtype == torch.float32 for p in model.parameters())  # weights stay fp32
 
 
-class SquaredError:
+class SquaredError(Task):
     """A task that isn't classification (regression onto float targets), written against tasks/__init__.py."""
 
     objective, direction = "val_loss", "minimize"
@@ -72,7 +73,7 @@ def test_the_update_and_evaluation_take_the_loss_and_metrics_from_the_task():
     model, inputs, targets = nn.Linear(3, 2), torch.randn(10, 3), torch.randn(10, 2)
     expected_loss = ((model(inputs) - targets) ** 2).mean()
     update = UpdateStep(model, torch.optim.SGD(model.parameters(), lr=0.1), task=SquaredError(), precision="32")
-    assert torch.equal(update.micro_step(inputs, targets, micro_index=0, group_size=1), expected_loss.detach())
+    assert torch.equal(update.micro_step((inputs, targets), micro_index=0, group_size=1), expected_loss.detach())
     loader = torch.utils.data.DataLoader(torch.utils.data.TensorDataset(inputs, targets), batch_size=4)
     metrics = evaluate(model, loader, torch.device("cpu"), -1, SquaredError())
     with torch.no_grad():
@@ -90,7 +91,7 @@ def test_two_accumulated_halves_equal_one_whole_batch():
                             precision="32")
         for _ in range(3):
             for index, (x, y) in enumerate(groups):
-                update.micro_step(x, y, micro_index=index, group_size=len(groups))
+                update.micro_step((x, y), micro_index=index, group_size=len(groups))
     for (name, a), b in zip(whole.state_dict().items(), halves.state_dict().values()):
         torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6, msg=lambda m, name=name: f"{name}: {m}")
 
@@ -105,7 +106,7 @@ def test_updates_happen_once_per_group_and_the_schedule_steps_with_them():
     before = copy.deepcopy(model.state_dict())
     images, labels = batch()
     for micro in range(3):
-        update.micro_step(images, labels, micro_index=micro, group_size=3)
+        update.micro_step((images, labels), micro_index=micro, group_size=3)
         changed = any(not torch.equal(before[k], v) for k, v in model.state_dict().items() if "running" not in k
                       and "num_batches" not in k)
         assert changed == (micro == 2), micro  # weights move only after the group's last micro-batch
@@ -204,7 +205,7 @@ def test_a_step_the_fp16_scaler_skips_still_advances_the_schedule_and_is_no_dive
     update = UpdateStep(model, optimizer, task=ClassificationTask(), precision="16", scheduler=scheduler)
     update.scaler = torch.amp.GradScaler("cpu", init_scale=2.0**100)
     before = copy.deepcopy(model.state_dict())
-    update.micro_step(*batch(), micro_index=0, group_size=1)
+    update.micro_step(batch(), micro_index=0, group_size=1)
     assert all(torch.equal(before[k], v) for k, v in model.state_dict().items() if "running" not in k and "num_batches" not in k)
     assert update.scaler.get_scale() == 2.0**99 and scheduler.last_epoch == 1
     update.check_finite(step=1)

@@ -46,14 +46,12 @@ def check_validations(*, keep_best: int, patience: int | None, trainer_objective
 
 
 @torch.no_grad()
-def check_metric_name(metric: str, key: str, task, model: torch.nn.Module, sample: tuple) -> None:
-    """`metric` must be a key of the task's validation results: one val sample through the model shows them."""
-    image, target = sample
+def check_metric_name(metric: str, key: str, task, model: torch.nn.Module, batch) -> None:
+    """`metric` must be a key of the task's validation results: a batch of one val sample through the model shows them."""
     was_training = model.training
-    output = model.eval()(image.unsqueeze(0))
+    sums = task.eval_step(model.eval(), batch)
     model.train(was_training)
-    target = torch.as_tensor(target).unsqueeze(0)
-    names = [name for name in ("val_" + k for k in task.metrics(task.eval_sums(output, target))) if name != "val_samples"]
+    names = [name for name in ("val_" + k for k in task.metrics(sums)) if name != "val_samples"]
     if metric not in names:
         closest = difflib.get_close_matches(metric, names, n=1)
         hint = f"did you mean {closest[0]}? " if closest else ""
@@ -61,13 +59,13 @@ def check_metric_name(metric: str, key: str, task, model: torch.nn.Module, sampl
 
 
 def check_best_settings(checkpoint_cfg, trainer_cfg, task_cfg, *, run_epochs: int, task, model: torch.nn.Module,
-                        val_sample: tuple, resumed: tuple | None) -> None:
+                        val_batch, resumed: tuple | None) -> None:
     """checkpoint.keep_best, best_of, trainer.early_stop_patience and trainer.objective against this run and
     the checkpoint it resumes (`resumed`: path, checkpoint), before anything starts."""
     check_validations(keep_best=checkpoint_cfg.keep_best, patience=trainer_cfg.early_stop_patience,
                       trainer_objective=trainer_cfg.objective, val_every_n_epochs=trainer_cfg.val_every_n_epochs,
                       run_epochs=run_epochs)
-    check_metric_name(task_cfg.objective, "task.objective", task, model, val_sample)
+    check_metric_name(task_cfg.objective, "task.objective", task, model, val_batch)
     if resumed:
         check_record_fits(resumed[1], ranked_metric(task_cfg.objective, checkpoint_cfg.best_of), task_cfg.direction,
                           resumed[0])

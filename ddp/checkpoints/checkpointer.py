@@ -11,6 +11,7 @@ from ddp.checkpoints.checkpoint import DiskFull, keep_best_checkpoints, save_ste
 from ddp.checkpoints.resume import capture_rank_state, checkpoint_state, gather_rank_states, restore_rank_state
 from ddp.distributed.dtensor import is_sharded
 from ddp.run_context import RunContext
+from ddp.training.frozen import frozen_fingerprints
 from ddp.training.progress import Position
 
 
@@ -30,6 +31,7 @@ class Checkpointer:
         self.loader_generator, self.cuda_devices = loader_generator, ctx.gpus
         self.samples_per_batch, self.train_size = samples_per_batch, train_size
         self.config = OmegaConf.to_container(ctx.cfg, resolve=True)  # the run's resolved config, as plain containers
+        self.frozen = frozen_fingerprints(update.task)  # a resume must use the same frozen modules (a teacher)
         self.saved_step = saved_step  # -1: nothing saved by this run or the one it resumes
         self.best = best
         if saved_step >= 0:  # resumed
@@ -76,7 +78,7 @@ class Checkpointer:
         """What rank 0 saves; a sharded checkpoint's model and optimizer states are in its shards."""
         state = checkpoint_state(None if sharded else self.raw_model, self.optimizer, self.update.state_dict(), position,
                                  self.samples_per_batch, self.train_size, rank_states, self.config)
-        return state | {"best": self.best.state_dict()}
+        return state | {"best": self.best.state_dict(), "frozen": self.frozen}
 
     def restore_rank_state(self, rank_state: dict) -> None:
         """This rank's RNG and loader state as a checkpoint saved it (resume_position's rank_state)."""

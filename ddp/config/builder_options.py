@@ -28,7 +28,7 @@ from hydra.utils import instantiate
 from omegaconf import MISSING, DictConfig, OmegaConf
 from omegaconf.errors import ValidationError
 
-from ddp.config.schema import BUILDERS, ConfigError
+from ddp.config.schema import BUILDERS, OPTIONAL_RUN_ARGS, ConfigError
 
 
 HYDRA_KEYS = ("_target_", "_args_", "_convert_", "_recursive_", "_partial_")  # for instantiate, not the builder
@@ -41,7 +41,8 @@ def builder_options(group_cfg: Any, group: str) -> dict:
     a default must be given; and each value must fit its parameter's annotation, converted as OmegaConf
     converts a dataclass field (`int`, `float`, `list[int]`, `str | None`, ...; `Literal[...]` lists the
     allowed values; an annotation OmegaConf can't check, or none, takes any value)."""
-    schema, run_args = BUILDERS[group]
+    schema, required_args = BUILDERS[group]
+    run_args = (*required_args, *OPTIONAL_RUN_ARGS.get(group, ()))
     group_keys = {f.name for f in dataclasses.fields(schema)} - {"_target_"}
     node = group_cfg if isinstance(group_cfg, DictConfig) else OmegaConf.create(group_cfg)
     values = OmegaConf.to_container(node, resolve=True, throw_on_missing=False)
@@ -61,10 +62,10 @@ def builder_options(group_cfg: Any, group: str) -> dict:
         return {**specials, **options}
     accepted = {name: p for name, p in parameters.items()
                 if p.kind in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY) and name not in run_args}
-    not_taken = [name for name in run_args if name not in parameters]
+    not_taken = [name for name in required_args if name not in parameters]
     if not_taken:
         raise ConfigError(f"{group}._target_={target}: must take {', '.join(not_taken)} as keyword arguments "
-                          f"(the run passes {', '.join(run_args)}); add them to its parameters")
+                          f"(the run passes {', '.join(required_args)}); add them to its parameters")
     for key in options:
         if key in run_args:
             raise ConfigError(f"{group}.{key}: the run passes {key} to {target} itself; remove {group}.{key}")

@@ -85,6 +85,8 @@ BUILDERS = {
     "data": (DataConfig, ()),
     "task": (TaskConfig, ("num_classes", "class_names")),
 }
+# Arguments the run passes a builder only where its signature has them (a task's teacher needs the data's channels).
+OPTIONAL_RUN_ARGS = {"task": ("in_channels",)}
 
 
 @dataclass

@@ -87,6 +87,8 @@ class RunMonitor:
         loss_value = loss.item()  # waits for the device, so the clock below counts the work done
         now = time.perf_counter()
         self.writer.add_scalar("train/loss", loss_value, step)
+        for name, term in update.terms.items():  # the task's extra loss terms (its training_step)
+            self.writer.add_scalar(f"train/{name}", term.item(), step)
         self.writer.add_scalar("train/lr", update.lr, step)
         if update.grad_norm is not None:
             self.writer.add_scalar("train/grad_norm", update.grad_norm.item(), step)

@@ -37,10 +37,14 @@ def training_results(ctx: RunContext, metrics: dict[str, float], best_results: d
     }
 
 
-def log_setup(cfg: DictConfig, world_size: int, device, length, lr: float, train_size: int, val_size: int) -> None:
+def log_setup(cfg: DictConfig, world_size: int, device, length, lr: float, train_size: int, val_size: int,
+              baselines: dict[str, float]) -> None:
+    """The run's settings, and its task's baselines' metrics (Task.baselines: a teacher's), if any."""
     log.info("strategy=%s world_size=%d device=%s batch_size=%d accumulate=%d global_batch=%d lr=%g precision=%s train=%d "
              "val=%d samples", cfg.strategy.name, world_size, device, cfg.data.batch_size, length.accumulate,
              length.global_batch, lr, cfg.precision, train_size, val_size)
+    if baselines:
+        log.info("baselines: %s", " ".join(f"{key}={value:.4f}" for key, value in baselines.items()))
 
 
 def write_results(results: dict, run_dir: Path, env: DistEnv) -> None:

@@ -9,6 +9,7 @@ from torch import nn
 
 from ddp.distributed.dtensor import is_sharded
 from ddp.distributed.process_group import all_reduce_sum, broadcast_buffers_from_rank_zero
+from ddp.loading.batches import one_sample_batch, to_device
 from ddp.loading.samplers import shard_indices
 from ddp.run_context import RunContext
 
@@ -18,25 +19,24 @@ def evaluate(model: nn.Module, loader, device: torch.device, limit_batches: int,
     """The task's metrics over the loader's split (all of it, across ranks), keys prefixed "val_"."""
     model.eval()
     sums, forwards = None, 0
-    for batch_index, (images, targets) in enumerate(loader):
+    for batch_index, batch in enumerate(loader):
         if batch_index == limit_batches:
             break
-        images, targets = images.to(device, non_blocking=True), targets.to(device, non_blocking=True)
-        batch_sums = task.eval_sums(model(images), targets)
+        batch_sums = task.eval_step(model, to_device(batch, device))
         sums = batch_sums if sums is None else sums.add_(batch_sums)
         forwards += 1
     if sums is None or is_sharded(model):
-        images, targets = (tensor.to(device) for tensor in loader.collate_fn([loader.dataset[0]]))
+        batch = to_device(one_sample_batch(loader.dataset), device)
     if sums is None:  # this rank's shard is empty: zeros, as long as the other ranks' sums
-        sums = torch.zeros_like(task.eval_sums(model(images), targets))
+        sums = torch.zeros_like(task.eval_step(model, batch))
         forwards += 1
     if is_sharded(model):
         # Every forward of a sharded model is a collective (FSDP gathers each block's parameters), and
-        # shards differ by a batch: a rank with fewer runs forwards that count for nothing, up to the
+        # shards differ by a batch: a rank with fewer runs steps that count for nothing, up to the
         # count every rank knows without asking (a collective here would meet another rank's forward).
         most = most_val_forwards(len(loader.dataset), dist.get_world_size(), loader.batch_size, limit_batches)
         for _ in range(most - forwards):
-            model(images)
+            task.eval_step(model, batch)
     return {"val_" + key: value for key, value in task.metrics(all_reduce_sum(sums)).items()}
 
 
@@ -78,6 +78,12 @@ class Validator:
             if self.ema is not None:
                 broadcast_buffers_from_rank_zero(self.ema.module)
         return evaluate_with_ema(self.eval_model, self.ema, self.loader, self.device, self.limit_batches, self.task)
+
+    def validate_baselines(self) -> dict[str, float]:
+        """The task's baselines (a teacher), evaluated like the model: <name>_val_<metric>, without sample counts."""
+        return {f"{name}_{key}": value for name, module in self.task.baselines().items()
+                for key, value in evaluate(module, self.loader, self.device, self.limit_batches, self.task).items()
+                if key != "val_samples"}
 
     def log_extras(self, writer, step: int) -> None:
         """The task's TensorBoard extras, of the bare model as just evaluated."""

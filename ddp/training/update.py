@@ -11,6 +11,7 @@ from torch.nn.parallel import DistributedDataParallel
 from torch.optim import lr_scheduler
 
 from ddp.distributed.dtensor import is_sharded, local_tensor
+from ddp.loading.batches import to_device
 from ddp.training.ema import EMA
 
 AUTOCAST_DTYPES = {"32": None, "bf16": torch.bfloat16, "16": torch.float16}
@@ -23,9 +24,10 @@ class Diverged(RuntimeError):
 class UpdateStep:
     """One optimizer update from a group of micro-batches.
 
-    Every micro-batch: the task's training batch transforms (MixUp/CutMix for classification), forward
-    and the task's loss under autocast, divided by the number of micro-batches in its group (the last
-    group of an epoch may be shorter), backward (through the GradScaler for fp16).
+    Every micro-batch: the batch to the device, the task's training step under autocast (by default
+    its batch transforms, MixUp/CutMix for classification, the forward and its loss; tasks/__init__.py),
+    the loss divided by the number of micro-batches in its group (the last group of an epoch may be
+    shorter), backward (through the GradScaler for fp16).
     Under DDP the forward and backward of all but the group's last micro-batch run inside
     no_sync(), so gradients are all-reduced once per update; under FSDP they are reduce-scattered
     only after the last (set_requires_gradient_sync). After the last one: unscale (fp16) ->
@@ -42,7 +44,7 @@ class UpdateStep:
                  scheduler: lr_scheduler.LRScheduler | None = None, clip_norm: float | None = None,
                  ema: "EMA | None" = None, channels_last: bool = False):
         self.model, self.optimizer, self.scheduler, self.ema = model, optimizer, scheduler, ema
-        self.task = task  # its train_batch and loss (tasks/__init__.py)
+        self.task = task  # its training_step (tasks/__init__.py)
         # batches go where the model computes: its parameters' device (DataParallel's first replica, a shard's)
         self.device = device = next(model.parameters()).device
         sharded = is_sharded(model)
@@ -71,20 +73,22 @@ class UpdateStep:
         self.precision = precision
         self.checked_step = 0  # every loss up to this update was finite
         self.gradient_bytes = 0  # this rank's, measured at the first update (state_bytes)
+        self.terms: dict[str, torch.Tensor] = {}  # the task's extra loss terms of the last micro-batch, detached
 
-    def micro_step(self, images: torch.Tensor, targets: torch.Tensor, micro_index: int, group_size: int) -> torch.Tensor:
-        """Forward and backward of one micro-batch; the update itself after the group's last. Returns the loss."""
-        images = images.to(self.device, non_blocking=True, memory_format=self.memory_format)
-        targets = targets.to(self.device, non_blocking=True)
-        images, targets = self.task.train_batch(images, targets)
-        images = images.contiguous(memory_format=self.memory_format)  # a transform may return another layout
+    def micro_step(self, batch, micro_index: int, group_size: int) -> torch.Tensor:
+        """Forward and backward of one micro-batch (any nesting of tensors, ddp/loading/batches.py); the
+        update itself after the group's last. Returns the loss; the task's extra terms are in `terms`."""
+        batch = to_device(batch, self.device, self.memory_format)
         last = micro_index == group_size - 1
         accumulate_locally = not last and isinstance(self.model, DistributedDataParallel)
         if is_sharded(self.model):
             self.model.set_requires_gradient_sync(last)
         with self.model.no_sync() if accumulate_locally else contextlib.nullcontext():
             with torch.autocast(self.device.type, dtype=self.autocast_dtype, enabled=self.autocast_dtype is not None):
-                loss = self.task.loss(self.model(images), targets)
+                loss = self.task.training_step(self.model, batch)
+            if isinstance(loss, dict):
+                self.terms = {name: term.detach() for name, term in loss.items() if name != "loss"}
+                loss = loss["loss"]
             scaled = loss / group_size
             (self.scaler.scale(scaled) if self.scaler else scaled).backward()
         self.finite.mul_(torch.isfinite(loss.detach()))

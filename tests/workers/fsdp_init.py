@@ -106,7 +106,7 @@ def inf_on_one_rank(out: Path, rank: int) -> None:
     record = {"scales": [], "changed": []}
     for poison[0] in (False, True):
         before = [local_tensor(p).detach().clone() for p in model.parameters()]
-        update.micro_step(*batch(2 + rank), micro_index=0, group_size=1)
+        update.micro_step(batch(2 + rank), micro_index=0, group_size=1)
         record["scales"].append(update.scaler.get_scale())
         record["changed"].append(any(not torch.equal(local_tensor(p), b) for p, b in zip(model.parameters(), before, strict=True)))
     (out / f"inf_rank{rank}.json").write_text(json.dumps(record))
