@@ -81,7 +81,7 @@ def check_startup(cfg: DictConfig, run_dir: Path, *, world_size: int, restarted:
     process too, so no worker starts for a refused config. Returns (splits, task, length, model, resumed): the last 3 None in eval."""
     torch.manual_seed(cfg.seed)  # data, task and model: identical on every rank (same seed)
     splits = build_datasets(cfg.data)
-    task = build_task(cfg.task, splits.num_classes, splits.class_names, splits.in_channels)
+    task = build_task(cfg.task, splits.num_classes, splits.class_names, splits.in_channels, cfg.data.get("views", 1))
     if cfg.mode == "eval":
         return splits, task, None, None, None
     length = TrainingLength.of(cfg.trainer, len(splits.train), cfg.data.batch_size, world_size)

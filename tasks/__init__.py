@@ -31,6 +31,8 @@ from ddp.config.schema import ConfigError
 class Task:
     """The interface, with the defaults of a task that trains `loss(model(images), targets)`."""
 
+    views = 1  # augmented views per training sample that training_step takes (data.views must match)
+
     def train_batch(self, images: torch.Tensor, targets: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Training-only batch transforms on the device, before the forward (MixUp/CutMix give soft
         targets); the batch unchanged when there are none."""
@@ -92,9 +94,11 @@ class Task:
         mode; the writer does nothing off rank 0, so work only where it is active, and run no collective."""
 
 
-def build_task(task_cfg, num_classes: int, class_names: list[str] | None, in_channels: int) -> Task:
+def build_task(task_cfg, num_classes: int, class_names: list[str] | None, in_channels: int | None = None,
+               views: int = 1) -> Task:
     """Call task._target_ with the data's num_classes and class_names (None where it names none), its
-    in_channels where the constructor takes them, and its options."""
+    in_channels where the constructor takes them, and its options; the data's views (per training
+    sample, data.views) must be the task's."""
     options = builder_options(task_cfg, "task")
     data = {"num_classes": num_classes, "class_names": class_names}
     if "in_channels" in inspect.signature(_locate(options["_target_"])).parameters:
@@ -102,4 +106,7 @@ def build_task(task_cfg, num_classes: int, class_names: list[str] | None, in_cha
     task = instantiate_checked(options, "task", **data)
     if not isinstance(task, Task):
         raise ConfigError(f"task._target_={options['_target_']}: not a task; subclass tasks.Task (docs/tasks.md)")
+    if views != task.views:
+        raise ConfigError(f"data.views={views}: {type(task).__name__} trains on {task.views} view(s) of each sample; "
+                          f"set data.views={task.views}")
     return task
