@@ -5,9 +5,17 @@ from sklearn.datasets import load_digits
 from torch.utils.data import TensorDataset
 
 from data import DataSplits
+from data.views import check_views, tensor_views
+from ddp.config.schema import ConfigError
 
 
-def build_digits(val_fraction: float, split_seed: int) -> DataSplits:
+def build_digits(val_fraction: float, split_seed: int, augment: bool = False, views: int = 1) -> DataSplits:
+    """augment: each view's own random crop, flip and blur (data/views.py), with views >= 2 only: the
+    single-image digits have no augmentation."""
+    check_views(views)
+    if augment and views == 1:
+        raise ConfigError("data.augment=true: data=digits augments only the views of data.views >= 2; "
+                          "set data.augment=false, or data.views=2")
     images, labels = load_digits(return_X_y=True)
     x = torch.tensor(images, dtype=torch.float32).reshape(-1, 1, 8, 8) / 16.0
     x = (x - x.mean()) / x.std()
@@ -16,4 +24,7 @@ def build_digits(val_fraction: float, split_seed: int) -> DataSplits:
     order = torch.randperm(len(x), generator=torch.Generator().manual_seed(split_seed))
     num_val = int(len(x) * val_fraction)
     val, train = order[:num_val], order[num_val:]
-    return DataSplits(TensorDataset(x[train], y[train]), TensorDataset(x[val], y[val]), num_classes=10, in_channels=1)
+    train_split = TensorDataset(x[train], y[train])
+    if views > 1:
+        train_split = tensor_views(train_split, x.shape[-1], augment, views)
+    return DataSplits(train_split, TensorDataset(x[val], y[val]), num_classes=10, in_channels=1)

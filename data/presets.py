@@ -1,11 +1,13 @@
 """The standard train and eval transforms, as in torchvision's references/classification presets
 (transforms.v2). Training augments (random crop and flip, an optional policy, random erasing);
-evaluation is deterministic. Random draws come from torch's RNG: in a DataLoader worker, the one
-seeded per (rank, epoch) by ddp.loading.loaders.start_epoch."""
+evaluation is deterministic. With data.views >= 2 the train transform gives a tuple of views, each
+its own draw of SimCLR's augmentation (data/views.py). Random draws come from torch's RNG: in a
+DataLoader worker, the one seeded per (rank, epoch) by ddp.loading.loaders.start_epoch."""
 
 import torch
 from torchvision.transforms import v2
 
+from data.views import BLUR_SIGMA, Views, blur_kernel_size
 from ddp.config.schema import ConfigError
 
 # Per-channel mean and std of each dataset's training images, the one place they are stated.
@@ -14,6 +16,7 @@ NORMALIZATION = {
     "cifar10": ((0.4914, 0.4822, 0.4465), (0.2470, 0.2435, 0.2616)),
 }
 AUGMENTS = ("none", "standard", "randaugment", "trivialaugment", "autoaugment")
+VIEW_AUGMENTS = ("none", "standard")  # with data.views >= 2, standard is SimCLR's augmentation of each view
 INTERPOLATIONS = {
     "bilinear": v2.InterpolationMode.BILINEAR,
     "bicubic": v2.InterpolationMode.BICUBIC,
@@ -22,23 +25,59 @@ INTERPOLATIONS = {
 EVAL_CROP_FRACTION = 0.875  # ImageNet convention: resize to crop / 0.875 (256 for 224), then centre-crop
 
 
-def imagefolder_transforms(image_size: int, augment: str, random_erase: float, interpolation: str):
+def imagefolder_transforms(image_size: int, augment: str | bool, random_erase: float, interpolation: str,
+                           views: int = 1):
     """(train, eval): RandomResizedCrop + flip for training; Resize(image_size / 0.875) + CenterCrop to eval.
-    augment=none trains on the eval transform."""
+    augment=none trains on the eval transform. views >= 2: a tuple of views, each SimCLR's augmentation."""
     mode = _interpolation(interpolation)
+    augment = _augment(augment, views)
     eval_geometry = [v2.Resize(int(image_size / EVAL_CROP_FRACTION), interpolation=mode, antialias=True),
                      v2.CenterCrop(image_size)]
     train_geometry = [v2.RandomResizedCrop(image_size, interpolation=mode, antialias=True), v2.RandomHorizontalFlip()]
-    return (_train(train_geometry, eval_geometry, augment, random_erase, mode, v2.AutoAugmentPolicy.IMAGENET, "imagenet"),
-            _compose(eval_geometry, "imagenet"))
+    if views > 1:
+        train_geometry = _simclr_steps(train_geometry[0], image_size, colour_strength=1.0)
+    train = _train(train_geometry, eval_geometry, augment, random_erase, mode, v2.AutoAugmentPolicy.IMAGENET, "imagenet")
+    return _views(train, views), _compose(eval_geometry, "imagenet")
 
 
-def cifar10_transforms(augment: str, random_erase: float, interpolation: str):
-    """(train, eval): 4-pixel padded RandomCrop + flip for training; the 32 px images as they are to eval."""
+def cifar10_transforms(augment: str | bool, random_erase: float, interpolation: str, views: int = 1):
+    """(train, eval): 4-pixel padded RandomCrop + flip for training; the 32 px images as they are to eval.
+    views >= 2: a tuple of views, each SimCLR's augmentation (its CIFAR-10 colour strength, 0.5)."""
     train_geometry = [v2.RandomCrop(32, padding=4), v2.RandomHorizontalFlip()]
     mode = _interpolation(interpolation)
-    return (_train(train_geometry, [], augment, random_erase, mode, v2.AutoAugmentPolicy.CIFAR10, "cifar10"),
-            _compose([], "cifar10"))
+    augment = _augment(augment, views)
+    if views > 1:
+        train_geometry = _simclr_steps(v2.RandomResizedCrop(32, interpolation=mode, antialias=True), 32,
+                                       colour_strength=0.5)
+    train = _train(train_geometry, [], augment, random_erase, mode, v2.AutoAugmentPolicy.CIFAR10, "cifar10")
+    return _views(train, views), _compose([], "cifar10")
+
+
+def _augment(augment: str | bool, views: int) -> str:
+    """data.augment as one of AUGMENTS: data.augment=true | false (a bool from the command line, as the
+    tensor datasets take it) means standard | none. The policies are single-image augmentation: views
+    get SimCLR's."""
+    if isinstance(augment, bool):
+        augment = "standard" if augment else "none"
+    if views > 1 and augment in AUGMENTS and augment not in VIEW_AUGMENTS:
+        raise ConfigError(f"data.augment={augment}: with data.views={views} each view gets SimCLR's augmentation; "
+                          "use data.augment=standard (SimCLR's) or none (each view is the eval image)")
+    return augment
+
+
+def _simclr_steps(crop, image_size: int, colour_strength: float) -> list:
+    """SimCLR's augmentation (Chen et al. 2020, appendix A) on a PIL image: crop, flip, colour jitter of
+    strength s (1 for ImageNet, 0.5 for CIFAR-10) with p 0.8, grayscale with p 0.2, blur with p 0.5."""
+    s = colour_strength
+    return [crop, v2.RandomHorizontalFlip(),
+            v2.RandomApply([v2.ColorJitter(0.8 * s, 0.8 * s, 0.8 * s, 0.2 * s)], p=0.8),
+            v2.RandomGrayscale(p=0.2),
+            v2.RandomApply([v2.GaussianBlur(blur_kernel_size(image_size), BLUR_SIGMA)], p=0.5)]
+
+
+def _views(train: v2.Compose, views: int):
+    """The train transform itself for one view (a sample exactly as without views), else `views` draws of it."""
+    return train if views == 1 else Views(train, views)
 
 
 def _train(geometry: list, eval_geometry: list, augment: str, random_erase: float, mode, policy, dataset: str) -> v2.Compose:

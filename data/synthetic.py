@@ -4,6 +4,7 @@ import torch
 from torch.utils.data import Dataset, TensorDataset
 
 from data import DataSplits
+from data.views import check_views, tensor_views
 
 
 class RandomFlipAndNoise(Dataset):
@@ -24,8 +25,11 @@ class RandomFlipAndNoise(Dataset):
 
 def build_synthetic(
     num_samples: int, num_val_samples: int, image_size: int, num_classes: int, channels: int, data_seed: int,
-    augment: bool = False,
+    augment: bool = False, views: int = 1,
 ) -> DataSplits:
+    """augment: random flips and noise on the training split; with views >= 2, each view's own random
+    crop, flip and blur instead (data/views.py)."""
+    check_views(views)
     # Generated once here, not per __getitem__: cheap to read, identical on every rank.
     generator = torch.Generator().manual_seed(data_seed)
     prototypes = torch.randn(num_classes, channels, image_size, image_size, generator=generator)
@@ -36,4 +40,8 @@ def build_synthetic(
         return TensorDataset(prototypes[labels] + 2.0 * noise, labels)
 
     train = make(num_samples)
-    return DataSplits(RandomFlipAndNoise(train) if augment else train, make(num_val_samples), num_classes, channels)
+    if views > 1:
+        train = tensor_views(train, image_size, augment, views)
+    elif augment:
+        train = RandomFlipAndNoise(train)
+    return DataSplits(train, make(num_val_samples), num_classes, channels)

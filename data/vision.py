@@ -10,6 +10,7 @@ from torchvision import datasets
 
 from data import DataSplits
 from data.presets import cifar10_transforms, imagefolder_transforms
+from data.views import check_views
 from ddp.config.schema import ConfigError
 
 log = logging.getLogger(__name__)
@@ -54,16 +55,18 @@ class CheckedImageFolder(datasets.ImageFolder):
         raise BadSample(f"{self.root}: no readable image in the {self.split} split (data.on_bad_sample=skip)")
 
 
-def build_imagefolder(root: str, image_size: int, augment: str, random_erase: float, interpolation: str,
-                      on_bad_sample: str = "error") -> DataSplits:
+def build_imagefolder(root: str, image_size: int, augment: str | bool, random_erase: float, interpolation: str,
+                      on_bad_sample: str = "error", views: int = 1) -> DataSplits:
     """`root/train/<class>/*` and `root/val/<class>/*`, as torchvision's ImageFolder reads them, and
-    `root/test/<class>/*` if present (data.split=test with mode=eval)."""
+    `root/test/<class>/*` if present (data.split=test with mode=eval). views >= 2: each training sample
+    is `((view_1, ..., view_n), label)` (data/views.py)."""
+    check_views(views)
     if on_bad_sample not in ON_BAD_SAMPLE:
         raise ConfigError(f"data.on_bad_sample={on_bad_sample}: must be one of {' | '.join(ON_BAD_SAMPLE)}")
     for split in ("train", "val"):
         if not (Path(root) / split).is_dir():
             raise ConfigError(f"data.root={root}: no {split}/ folder; ImageFolder needs {root}/{split}/<class>/<image>")
-    train_transform, eval_transform = imagefolder_transforms(image_size, augment, random_erase, interpolation)
+    train_transform, eval_transform = imagefolder_transforms(image_size, augment, random_erase, interpolation, views)
     transforms = {"train": train_transform, "val": eval_transform, "test": eval_transform}
     folders = {}
     for split, transform in transforms.items():
@@ -81,9 +84,12 @@ def build_imagefolder(root: str, image_size: int, augment: str, random_erase: fl
                       test=folders.get("test"))
 
 
-def build_cifar10(root: str, download: bool, augment: str, random_erase: float, interpolation: str) -> DataSplits:
-    """The 50,000 training images, and the 10,000 test images as both the val and the test split."""
-    train_transform, eval_transform = cifar10_transforms(augment, random_erase, interpolation)
+def build_cifar10(root: str, download: bool, augment: str | bool, random_erase: float, interpolation: str,
+                  views: int = 1) -> DataSplits:
+    """The 50,000 training images, and the 10,000 test images as both the val and the test split.
+    views >= 2: each training sample is `((view_1, ..., view_n), label)` (data/views.py)."""
+    check_views(views)
+    train_transform, eval_transform = cifar10_transforms(augment, random_erase, interpolation, views)
     try:
         train = datasets.CIFAR10(root, train=True, download=download, transform=train_transform)
         test = datasets.CIFAR10(root, train=False, download=download, transform=eval_transform)
