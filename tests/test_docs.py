@@ -135,12 +135,13 @@ def code_lines(page: Path) -> list[tuple[int, str]]:
 
 
 def adding_section_lines(page: Path) -> set[int]:
-    """The line numbers of the README's "Adding a ..." sections: their commands use the files they
-    show, and tests/test_readme_examples.py runs them for real in a copy of the repository."""
+    """The line numbers of the README's "Adding a ..." sections and of docs/tasks.md's "Adding a task": their
+    commands use the files they show, and tests/test_readme_examples.py and tests/test_tasks.py run them
+    for real in a copy of the repository."""
     numbers, inside = set(), False
     for number, line in enumerate(page.read_text().splitlines(), start=1):
         if line.startswith("## "):
-            inside = page.name == "README.md" and line.startswith("## Adding a ")
+            inside = page.name in ("README.md", "tasks.md") and line.startswith("## Adding a ")
         if inside:
             numbers.add(number)
     return numbers

@@ -24,9 +24,10 @@ README = REPO / "README.md"
 CODE_BLOCK = re.compile(r"^```(\w+)\n(.*?)^```", re.MULTILINE | re.DOTALL)
 
 
-def readme_section(title: str) -> str:
-    """The text under the README heading `title` (any level), up to the next heading of its level or above."""
-    lines = README.read_text().splitlines(keepends=True)
+def readme_section(title: str, page: Path = README) -> str:
+    """The text under the heading `title` (any level) of the README (or of `page`), up to the next heading
+    of its level or above."""
+    lines = page.read_text().splitlines(keepends=True)
     (start,) = [i for i, line in enumerate(lines) if re.fullmatch(rf"(#+) {re.escape(title)}\n", line)]
     level = len(lines[start]) - len(lines[start].lstrip("#"))
     end = next((i for i in range(start + 1, len(lines))
@@ -55,9 +56,12 @@ def write_example(section: str, repo: Path) -> dict[str, str]:
 
 @pytest.fixture
 def repo_copy(tmp_path) -> Path:
-    """The repository's tracked files, as a user's clone holds them (without this machine's outputs/)."""
+    return copy_of_repo(tmp_path / "repo")
+
+
+def copy_of_repo(copy: Path) -> Path:
+    """The repository's tracked files at `copy`, as a user's clone holds them (without this machine's outputs/)."""
     tracked = subprocess.run(["git", "ls-files", "-z"], cwd=REPO, capture_output=True, text=True, check=True).stdout
-    copy = tmp_path / "repo"
     for name in filter(None, tracked.split("\0")):
         if (REPO / name).is_file():
             (copy / name).parent.mkdir(parents=True, exist_ok=True)
