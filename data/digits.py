@@ -10,8 +10,8 @@ from ddp.config.schema import ConfigError
 
 
 def build_digits(val_fraction: float, split_seed: int, augment: bool = False, views: int = 1) -> DataSplits:
-    """augment: each view's own random crop, flip and blur (data/views.py), with views >= 2 only: the
-    single-image digits have no augmentation."""
+    """augment: each view's own random crop (data/views.py), with views >= 2 only: the single-image
+    digits have no augmentation."""
     check_views(views)
     if augment and views == 1:
         raise ConfigError("data.augment=true: data=digits augments only the views of data.views >= 2; "
@@ -26,5 +26,5 @@ def build_digits(val_fraction: float, split_seed: int, augment: bool = False, vi
     val, train = order[:num_val], order[num_val:]
     train_split = TensorDataset(x[train], y[train])
     if views > 1:
-        train_split = tensor_views(train_split, x.shape[-1], augment, views)
+        train_split = tensor_views(train_split, x.shape[-1], augment, views, strokes=True)
     return DataSplits(train_split, TensorDataset(x[val], y[val]), num_classes=10, in_channels=1)

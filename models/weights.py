@@ -1,5 +1,9 @@
 """model.weights_path: local pretrained weights, loaded into a freshly built model before SyncBN
-conversion and wrapping. Nothing is downloaded, and nothing pickled is run."""
+conversion and wrapping. Nothing is downloaded, and nothing pickled is run.
+
+A file of a model with task heads (Task.with_heads: a task=simclr checkpoint, keys backbone.*,
+projector.*, probe.*) loads its backbone.* into the model= config's model, whose classifier the file
+lacks and which starts fresh; build_model then loads the heads into a task that has them (load_heads)."""
 
 import logging
 from pathlib import Path
@@ -24,10 +28,11 @@ def load_weights(model: nn.Module, path: str, num_classes: int) -> None:
     any other difference is a one-line error."""
     state = {_strip_prefixes(key): value for key, value in read_state_dict(Path(path)).items()}
     own = model.state_dict()
+    state, task_heads, fresh = _backbone_of_model_with_heads(state, own, model, num_classes)
     head = sorted(key for key in own.keys() & state.keys() if _is_other_head(state[key], own[key], num_classes))
     for key in head:
         del state[key]
-    missing = sorted(own.keys() - state.keys() - set(head))
+    missing = sorted(own.keys() - state.keys() - set(head) - set(fresh))
     unexpected = sorted(state.keys() - own.keys())
     reshaped = [f"{key} {list(state[key].shape)} vs {list(own[key].shape)}"
                 for key in sorted(own.keys() & state.keys()) if state[key].shape != own[key].shape]
@@ -39,7 +44,69 @@ def load_weights(model: nn.Module, path: str, num_classes: int) -> None:
     if head:
         log.warning("model.weights_path=%s: skipped the classifier head %s (the file's has another number of classes "
                     "than this data's %d): it starts from a fresh initialisation", path, head, num_classes)
+    if task_heads:
+        log.warning("model.weights_path=%s: loaded the backbone of a model with task heads (its backbone.*), skipped "
+                    "its heads %s (a task that has them loads them); the classifier %s, which the file lacks, starts "
+                    "from a fresh initialisation", path, task_heads, fresh)
     log.info("loaded weights from %s", path)
+
+
+def load_heads(trained: nn.Module, backbone: nn.Module, path: str, num_classes: int) -> None:
+    """Into the task's heads of `trained` (Task.with_heads around `backbone`, whose weights are loaded
+    already): the heads' tensors that the file holds, e.g. a task=simclr checkpoint's projector.* and
+    probe.*. A file without heads (a plain model's) leaves them fresh; a file with heads must hold this
+    task's with their shapes, but for a classifier for another number of classes (skipped, as
+    load_weights skips one); otherwise a one-line error."""
+    prefix = next(name for name, module in trained.named_modules() if module is backbone) + "."
+    state = {_strip_prefixes(key): value for key, value in read_state_dict(Path(path)).items()}
+    own = {key: value for key, value in trained.state_dict().items() if not key.startswith(prefix)}
+    if not any(key.startswith(prefix) for key in state):
+        log.info("model.weights_path=%s: a model without task heads; the heads %s start from a fresh initialisation",
+                 path, _modules_of(own))
+        return
+    theirs = {key: value for key, value in state.items() if not key.startswith(prefix)}
+    head = sorted(key for key in own.keys() & theirs.keys() if _is_other_head(theirs[key], own[key], num_classes))
+    missing = sorted(own.keys() - theirs.keys())
+    unexpected = sorted(theirs.keys() - own.keys())
+    reshaped = [f"{key} {list(theirs[key].shape)} vs {list(own[key].shape)}"
+                for key in sorted((own.keys() & theirs.keys()) - set(head)) if theirs[key].shape != own[key].shape]
+    if missing or unexpected or reshaped:
+        raise ConfigError(f"model.weights_path={path}: its task heads do not fit this task's (check task= and its options, "
+                          f"e.g. task.projection_dim): missing keys {missing[:5]}, unexpected keys {unexpected[:5]}, "
+                          f"different shapes {reshaped[:5]}")
+    trained.load_state_dict({key: value for key, value in theirs.items() if key not in head}, strict=False)
+    if head:
+        log.warning("model.weights_path=%s: skipped the head %s (the file's has another number of classes than this "
+                    "data's %d): it starts from a fresh initialisation", path, head, num_classes)
+    log.info("loaded the task heads %s from %s", _modules_of(theirs), path)
+
+
+def _backbone_of_model_with_heads(state: dict, own: dict, model: nn.Module, num_classes: int) -> tuple[dict, list[str], list[str]]:
+    """(what to load, the task heads skipped, the keys that start fresh). A model with task heads saves
+    its backbone as backbone.*: where those keys fit this model better than the file's own keys do, the
+    file is such a model's, and its backbone.* is what loads. Its backbone lacks the classifier (the
+    task took it away), so the model's classifier (find_classifier) starts fresh. Any other file:
+    (state, [], [])."""
+    backbone = {key.removeprefix("backbone."): value for key, value in state.items() if key.startswith("backbone.")}
+    if len(backbone.keys() & own.keys()) <= len(state.keys() & own.keys()):
+        return state, [], []
+    classifier = find_classifier(model, num_classes)
+    fresh = [] if classifier is None else [f"{classifier[0]}.{key}" for key in classifier[1].state_dict()]
+    heads = _modules_of({key: None for key in state if not key.startswith("backbone.")})
+    return backbone, heads, [key for key in fresh if key not in backbone]
+
+
+def _modules_of(state: dict) -> list[str]:
+    """The top-level modules that a state_dict's keys belong to, e.g. ['probe', 'projector']."""
+    return sorted({key.split(".", 1)[0] for key in state})
+
+
+def find_classifier(model: nn.Module, num_classes: int) -> tuple[str, nn.Linear] | None:
+    """(name, module) of a classification model's classifier: its last nn.Linear with num_classes
+    outputs (ResNet's `fc`, small_cnn's `head.3`, ViT's `heads.head`, timm's `head.fc`); None if it has none."""
+    found = [(name, module) for name, module in model.named_modules() if isinstance(module, nn.Linear)
+             and module.out_features == num_classes]
+    return found[-1] if found else None
 
 
 def read_state_dict(path: Path) -> dict[str, torch.Tensor]:

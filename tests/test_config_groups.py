@@ -35,6 +35,7 @@ from ddp.jobs.run_dir import register_resolvers
 from ddp.training.optimizer import optimizer_node
 from tasks.classification import ClassificationTask
 from tasks.segmentation import SegmentationTask
+from tasks.simclr import SimCLRTask
 
 register_configs()
 register_resolvers()
@@ -56,7 +57,7 @@ OPTIONS = {
     },
     "optim": {"sgd": schema.SGDConfig, "adam": schema.AdamConfig, "adamw": schema.AdamConfig},
     "scheduler": {"none": schema.SchedulerConfig, "cosine": schema.CosineSchedulerConfig, "step": schema.StepSchedulerConfig},
-    "task": {"classification": ClassificationTask, "segmentation": SegmentationTask},
+    "task": {"classification": ClassificationTask, "segmentation": SegmentationTask, "simclr": SimCLRTask},
 }
 ALL_OPTIONS = [(group, option) for group, options in OPTIONS.items() for option in options]
 
@@ -115,6 +116,8 @@ OPTION_KEYS = {
     ("task", "classification"): {"_target_", "objective", "direction", "label_smoothing", "mixup_alpha", "cutmix_alpha"},
     ("task", "segmentation"): {"_target_", "objective", "direction", "aux_weight", "ignore_index", "label_smoothing",
                                "mixup_alpha", "cutmix_alpha", "num_images_logged"},
+    ("task", "simclr"): {"_target_", "objective", "direction", "temperature", "projection_dim", "global_negatives",
+                         "label_smoothing", "mixup_alpha", "cutmix_alpha"},
 }
 
 OPTIMIZERS = {"sgd": torch.optim.SGD, "adam": torch.optim.Adam, "adamw": torch.optim.AdamW}
