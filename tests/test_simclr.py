@@ -34,7 +34,7 @@ from test_fault_tolerance import assert_bit_identical
 # Digits, two views of each image: small_cnn [32, 64], SGD at lr 0.02 (0.05 made the online probe's
 # accuracy swing between validations).
 DIGITS = ["task=simclr", "data=digits", "data.views=2", "data.num_workers=0", "model.channels=[32,64]"]
-# 2 ranks x 16 with SyncBN and the views' random crop, flip and blur, drawn in the main process from
+# 2 ranks x 16 with SyncBN and the views' random crops, drawn in the main process from
 # each rank's global RNG (which checkpoints hold): 1438 images, 45 steps an epoch (each rank's last
 # batch 15), 135 in all; checkpoints at step 100 (epoch 2, batch 10) and at the end.
 PRETRAIN = ["strategy=ddp", "syncbn=true", *DIGITS, "data.augment=true", "data.batch_size=16", "optim.lr=0.02",
@@ -297,16 +297,14 @@ def pretrained(tmp_path_factory):
 
 def test_the_probe_rises_well_above_chance_and_every_loss_term_is_logged(pretrained):
     """The online probe's val_accuracy (the objective) rises over the 3 epochs, to well above the 0.1 of
-    chance (measured: 0.40, 0.42, 0.46). It trains on the augmented views, which at 8 x 8 pixels keep
-    less of a digit than the clean val images: a logistic regression fitted on the same features
-    reaches 0.9 (test_the_backbone_fine_tunes_through_model_weights_path_and_its_features_are_learned)."""
+    chance (measured: 0.55, 0.57, 0.89)."""
     results = results_of(pretrained)
     assert (results["steps"], results["world_size"], results["replicas_identical"]) == (STEPS, 2, True)
     accumulator = EventAccumulator(str(pretrained))
     accumulator.Reload()
     accuracies = [scalar.value for scalar in accumulator.Scalars("val/accuracy")]
     assert len(accuracies) == 3 and accuracies[-1] == pytest.approx(results["val_accuracy"])
-    assert accuracies[-1] > accuracies[0] and results["val_accuracy"] >= 0.35
+    assert accuracies[-1] > accuracies[0] and results["val_accuracy"] >= 0.7
     logged = {name: [scalar.value for scalar in accumulator.Scalars(f"train/{name}")]
               for name in ("loss", "contrastive_loss", "probe_loss")}
     assert len(logged["loss"]) == STEPS // 5 and all(len(values) == len(logged["loss"]) for values in logged.values())
@@ -353,7 +351,7 @@ def test_mode_eval_of_the_probe_is_exact_at_1_and_3_ranks(pretrained, evaluated)
 
 def test_a_resume_from_a_mid_epoch_checkpoint_with_augmented_views_ends_bit_identical(pretrained, tmp_path):
     """A fresh torchrun launch resumed from the pretraining run's step-100 checkpoint (epoch 2, batch 10;
-    each rank's RNG, from which its views' crops, flips and blurs are drawn, as saved there) ends exactly
+    each rank's RNG, from which its views' crops are drawn, as saved there) ends exactly
     where the uninterrupted run did: weights, optimizer, SyncBN buffers, position and every rank's RNG
     states. A killed rank's restart goes through the same resume (tests/test_fault_tolerance.py)."""
     step_100 = pretrained / "checkpoints" / "step-00000100.pt"
@@ -385,7 +383,7 @@ def test_the_backbone_fine_tunes_through_model_weights_path_and_its_features_are
                                                                                           caplog):
     """task=classification model.weights_path=<the pretraining run's last.pt>: the plain small_cnn starts
     from the checkpoint's backbone (its classifier fresh), and its features separate the digits far
-    better than a random backbone's (a logistic regression on each: measured 0.90 against 0.54). Then
+    better than a random backbone's (a logistic regression on each). Then
     it trains: one epoch of fine-tuning."""
     path = pretrained / "checkpoints" / "last.pt"
     pretrained_weights = last_checkpoint(pretrained)["model"]
