@@ -35,6 +35,7 @@ from ddp.jobs.run_dir import register_resolvers
 from ddp.training.optimizer import optimizer_node
 from tasks.classification import ClassificationTask
 from tasks.segmentation import SegmentationTask
+from tasks.distillation import DistillationTask
 from tasks.simclr import SimCLRTask
 
 register_configs()
@@ -57,7 +58,8 @@ OPTIONS = {
     },
     "optim": {"sgd": schema.SGDConfig, "adam": schema.AdamConfig, "adamw": schema.AdamConfig},
     "scheduler": {"none": schema.SchedulerConfig, "cosine": schema.CosineSchedulerConfig, "step": schema.StepSchedulerConfig},
-    "task": {"classification": ClassificationTask, "segmentation": SegmentationTask, "simclr": SimCLRTask},
+    "task": {"classification": ClassificationTask, "segmentation": SegmentationTask, "simclr": SimCLRTask,
+             "distillation": DistillationTask},
 }
 ALL_OPTIONS = [(group, option) for group, options in OPTIONS.items() for option in options]
 
@@ -116,6 +118,8 @@ OPTION_KEYS = {
     ("task", "classification"): {"_target_", "objective", "direction", "label_smoothing", "mixup_alpha", "cutmix_alpha"},
     ("task", "segmentation"): {"_target_", "objective", "direction", "aux_weight", "ignore_index", "label_smoothing",
                                "mixup_alpha", "cutmix_alpha", "num_images_logged"},
+    ("task", "distillation"): {"_target_", "_recursive_", "objective", "direction", "teacher", "teacher_model", "alpha",
+                               "temperature", "precision", "label_smoothing", "mixup_alpha", "cutmix_alpha"},
     ("task", "simclr"): {"_target_", "objective", "direction", "temperature", "projection_dim", "global_negatives",
                          "label_smoothing", "mixup_alpha", "cutmix_alpha"},
 }
@@ -156,8 +160,8 @@ def test_option_composes_against_its_schema(group, option):
         builder = OPTIONS[group][option]
         assert OmegaConf.get_type(cfg[group]) is group_schema
         assert cfg[group]._target_ == f"{builder.__module__}.{builder.__qualname__}"
-        options = set(inspect.signature(builder).parameters) - set(run_args)
-        assert set(builder_options(cfg[group], group)) == {"_target_", *options}
+        options = set(inspect.signature(builder).parameters) - set(run_args) - set(schema.OPTIONAL_RUN_ARGS.get(group, ()))
+        assert set(builder_options(cfg[group], group)) - {"_recursive_"} == {"_target_", *options}
     else:
         assert OmegaConf.get_type(cfg[group]) is OPTIONS[group][option]
     assert set(cfg[group]) == OPTION_KEYS[group, option], "update OPTION_KEYS deliberately when adding an option"
