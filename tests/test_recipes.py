@@ -275,3 +275,15 @@ def test_a_diverging_run_stops_in_one_line_and_never_saves_non_finite_weights(tm
         checkpoint = torch.load(path, weights_only=True)
         assert all(torch.isfinite(t).all() for t in checkpoint["model"].values() if t.is_floating_point()), path
     assert not list(tmp_path.rglob("results.json"))
+
+
+def test_the_ema_of_a_syncbn_model_trains_under_ddp(tmp_path):
+    """ema.decay with syncbn=true on 2 ranks: the EMA's copy of the model shares its SyncBN layers' process
+    group (a group can't be copied), averages their statistics with the weights, and is evaluated."""
+    check(launch(["strategy=ddp", "syncbn=true", "ema.decay=0.9", *TINY, "trainer.max_epochs=1"], tmp_path, nproc=2))
+    run_dir = run_dirs(tmp_path)[0]
+    results, checkpoint = results_of(run_dir), last_checkpoint(run_dir)
+    assert results["replicas_identical"] and 0 <= results["val_ema_accuracy"] <= 1
+    averaged = {key.removeprefix("module."): value for key, value in checkpoint["ema"].items()}
+    means = [key for key in checkpoint["model"] if key.endswith("running_mean")]
+    assert means and all(not torch.equal(averaged[key], checkpoint["model"][key]) for key in means)

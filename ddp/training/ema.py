@@ -21,7 +21,9 @@ class EMA(nn.Module):
 
     def __init__(self, model: nn.Module, decay: float):
         super().__init__()
-        self.module = copy.deepcopy(model)
+        # a SyncBN layer's process group is shared by the copy, never copied (it can't be pickled)
+        groups = {id(m.process_group): m.process_group for m in model.modules() if getattr(m, "process_group", None) is not None}
+        self.module = copy.deepcopy(model, memo=groups)
         self.decay = decay
         self.n_averaged = 0  # updates so far
         self._split_tensors()
