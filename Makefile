@@ -31,12 +31,14 @@ train: install ## Train the default run (small_cnn on digits, one device); print
 test: install ## Run the whole test suite (CPU, gloo, real torchrun processes), two test processes at a time
 	$(PY) -m pytest -q -n 2
 
-smoke-test: install ## Five short CPU runs: single, dp, torchrun ddp with SyncBN, the bf16/accumulation/cosine/EMA/MixUp recipe, and segmentation on 2 ranks with SyncBN
+smoke-test: install ## Seven short CPU runs: single, dp, torchrun ddp with SyncBN, the bf16/accumulation/cosine/EMA/MixUp recipe, and segmentation, distillation and SimCLR on 2 ranks with SyncBN
 	$(PY) train.py strategy=single $(SMOKE)
 	$(PY) train.py strategy=dp $(SMOKE)
 	$(TORCHRUN) --nproc_per_node=2 train.py strategy=ddp syncbn=true $(SMOKE)
 	$(TORCHRUN) --nproc_per_node=2 train.py strategy=ddp precision=bf16 trainer.accumulate_grad_batches=2 scheduler=cosine scheduler.warmup_steps=1 ema.decay=0.9 trainer.label_smoothing=0.1 data.mixup_alpha=0.2 $(SMOKE)
 	$(TORCHRUN) --nproc_per_node=2 train.py strategy=ddp syncbn=true $(SMOKE_SEG)
+	$(TORCHRUN) --nproc_per_node=2 train.py strategy=ddp syncbn=true task=distillation model@task.teacher_model=small_cnn task.teacher_model.channels=[32,64] $(SMOKE)
+	$(TORCHRUN) --nproc_per_node=2 train.py strategy=ddp syncbn=true task=simclr data.views=2 data.augment=true $(SMOKE)
 
 gpu-check: ## The CUDA paths in one short run on one GPU; without one it says so (any Python with torch: PY=python3)
 	$(PY) tests/gpu/gpu_check.py
