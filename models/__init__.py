@@ -28,4 +28,3 @@ def build_model(model_cfg, num_classes: int, in_channels: int, with_heads: Calla
 
         load_heads(trained, model, weights_path, num_classes)
     return trained
-

@@ -12,7 +12,7 @@ from torch import nn
 from torch.nn import functional as F
 
 from ddp.config.schema import ConfigError
-from models.weights import _strip_prefixes, load_weights, read_state_dict
+from models.weights import load_weights, read_state_dict, strip_wrapper_prefixes
 from models.zoo import adapt_stem
 
 log = logging.getLogger(__name__)
@@ -86,7 +86,7 @@ def load_backbone_weights(model: nn.Module, path: str) -> None:
     backbone = getattr(model, "backbone", None)
     if not isinstance(backbone, nn.Module):
         raise ConfigError("model.weights_scope=backbone: this model has no `backbone`; use model.weights_scope=model")
-    state = {_strip_prefixes(key): value for key, value in read_state_dict(Path(path)).items()}
+    state = {strip_wrapper_prefixes(key): value for key, value in read_state_dict(Path(path)).items()}
     own = backbone.state_dict()
     candidates = [{key.removeprefix(prefix): value for key, value in state.items() if key.startswith(prefix)}
                   for prefix in ("", "backbone.", "features.")]

@@ -26,7 +26,7 @@ def load_weights(model: nn.Module, path: str, num_classes: int) -> None:
     """Load a torchvision or timm state_dict (.pt/.pth, or .safetensors) or one of our checkpoints
     (its `model`). A classifier head whose shape differs (another num_classes) is skipped and logged;
     any other difference is a one-line error."""
-    state = {_strip_prefixes(key): value for key, value in read_state_dict(Path(path)).items()}
+    state = {strip_wrapper_prefixes(key): value for key, value in read_state_dict(Path(path)).items()}
     own = model.state_dict()
     state, task_heads, fresh = _backbone_of_model_with_heads(state, own, model, num_classes)
     head = sorted(key for key in own.keys() & state.keys() if _is_other_head(state[key], own[key], num_classes))
@@ -58,7 +58,7 @@ def load_heads(trained: nn.Module, backbone: nn.Module, path: str, num_classes: 
     task's with their shapes, but for a classifier for another number of classes (skipped, as
     load_weights skips one); otherwise a one-line error."""
     prefix = next(name for name, module in trained.named_modules() if module is backbone) + "."
-    state = {_strip_prefixes(key): value for key, value in read_state_dict(Path(path)).items()}
+    state = {strip_wrapper_prefixes(key): value for key, value in read_state_dict(Path(path)).items()}
     own = {key: value for key, value in trained.state_dict().items() if not key.startswith(prefix)}
     if not any(key.startswith(prefix) for key in state):
         log.info("model.weights_path=%s: a model without task heads; the heads %s start from a fresh initialisation",
@@ -131,7 +131,7 @@ def read_state_dict(path: Path) -> dict[str, torch.Tensor]:
     return content
 
 
-def _strip_prefixes(key: str) -> str:
+def strip_wrapper_prefixes(key: str) -> str:
     """Wrappers nest in any order (torch.compile(DDP(m)) saves `_orig_mod.module.*`): strip until none is left."""
     while key.startswith(WRAPPER_PREFIXES):
         key = key.split(".", 1)[1]

@@ -60,11 +60,17 @@ class Task:
         the model as wrapped (DDP, DataParallel, FSDP or bare), `batch` the loader's batch on the device.
         Runs under the run's autocast, and inside DDP's no_sync on all but a group's last micro-batch;
         the update step divides the loss by the group size, backpropagates it and steps."""
+        images, targets = self.transformed_batch(batch)
+        return self.loss(model(images), targets)
+
+    def transformed_batch(self, batch: Any) -> tuple[torch.Tensor, torch.Tensor]:
+        """An (images, targets) batch through train_batch, the images kept in their memory layout
+        (channels_last), which a transform may change: for training steps of that batch shape."""
         images, targets = batch
-        mixed, targets = self.train_batch(images, targets)
+        transformed, targets = self.train_batch(images, targets)
         if images.dim() == 4 and images.is_contiguous(memory_format=torch.channels_last):
-            mixed = mixed.contiguous(memory_format=torch.channels_last)  # a transform may return another layout
-        return self.loss(model(mixed), targets)
+            transformed = transformed.contiguous(memory_format=torch.channels_last)
+        return transformed, targets
 
     def eval_step(self, model: nn.Module, batch: Any) -> torch.Tensor:
         """This validation batch's sums (as eval_sums describes them), under no_grad, `model` in eval mode."""

@@ -23,7 +23,7 @@ from ddp.checkpoints.checkpoint import CheckpointError, is_sharded_checkpoint, l
 from ddp.config.schema import ConfigError
 from ddp.training.update import AUTOCAST_DTYPES
 from models import build_model
-from models.weights import WRAPPER_PREFIXES, read_state_dict
+from models.weights import read_state_dict, strip_wrapper_prefixes
 from tasks.classification import ClassificationTask
 
 log = logging.getLogger(__name__)
@@ -51,10 +51,7 @@ class DistillationTask(ClassificationTask):
 
     def training_step(self, model: nn.Module, batch: Any) -> dict[str, torch.Tensor]:
         """The student's and the teacher's forward of the same (mixed) images; loss and its two terms."""
-        images, labels = batch
-        mixed, targets = self.train_batch(images, labels)
-        if images.dim() == 4 and images.is_contiguous(memory_format=torch.channels_last):
-            mixed = mixed.contiguous(memory_format=torch.channels_last)  # a transform may return another layout
+        mixed, targets = self.transformed_batch(batch)
         student_logits = model(mixed)
         teacher_logits = self.teacher_logits(mixed)
         task_loss = self.loss(student_logits, targets)
@@ -152,12 +149,5 @@ def teacher_config(teacher_model: dict | str) -> tuple[dict, dict[str, torch.Ten
         state = read_state_dict(Path(weights_path))
     except ConfigError as error:
         raise ConfigError(f"task.teacher_model: {error}") from None
-    return model_cfg, {_without_wrapper_prefixes(key): value for key, value in state.items()}, \
+    return model_cfg, {strip_wrapper_prefixes(key): value for key, value in state.items()}, \
         f"task.teacher_model.weights_path={weights_path}"
-
-
-def _without_wrapper_prefixes(key: str) -> str:
-    """A state_dict key of a DDP'd or compiled model, as the bare model names it (models/weights.py's rule)."""
-    while key.startswith(WRAPPER_PREFIXES):
-        key = key.split(".", 1)[1]
-    return key

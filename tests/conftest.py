@@ -97,13 +97,14 @@ def config_error_in_this_process(overrides: list[str], run_dir: Path) -> str:
     from ddp.config.schema import ConfigError
 
     cfg = _composed(overrides)
+    event_files = set(Path.cwd().rglob("events.out.tfevents*"))  # those of earlier runs, if any
     with pytest.raises(ConfigError) as error:
         train.run(cfg, run_dir, relaunch="")
     line = str(error.value)
     assert "\n" not in line, line
     assert not torch.distributed.is_initialized()
     assert not run_dir.exists()  # and so no checkpoint in it
-    assert not list(Path.cwd().rglob("events.out.tfevents*"))
+    assert set(Path.cwd().rglob("events.out.tfevents*")) == event_files
     return line
 
 

@@ -317,6 +317,44 @@ def check_devices_restrict_the_visible_gpus(scratch: Path) -> str:
     return "devices=[0] before CUDA starts: 1 GPU visible; devices=[1] after: refused with one line"
 
 
+def check_distillation_teacher_on_cuda_single_and_fsdp(scratch: Path) -> str:
+    """task=distillation on cuda:0: a teacher trained here (task.teacher=<its run dir>) on the device, in eval mode,
+    under the run's bf16 autocast (single), and under its own autocast where FSDP's policy casts the student
+    (fsdp x1 over nccl); the student learns digits, and teacher_val_accuracy is the teacher run's own."""
+    launch(["strategy=single", "model.channels=[32,64]", "trainer.max_epochs=4", "optim=adam", "optim.lr=0.01"],
+           scratch / "teacher")
+    teacher = run_dir(scratch / "teacher")
+    student = ["task=distillation", f"task.teacher={teacher}", "model.channels=[16,32]", "optim=adam", "optim.lr=0.01",
+               "trainer.max_epochs=4", "precision=bf16"]
+    launch(["strategy=single", *student], scratch / "distilled")
+    launch(["strategy=fsdp", "backend=nccl", *student], scratch / "distilled_fsdp", nproc=1)
+    own = results(scratch / "teacher")["val_accuracy"]
+    single, sharded = results(scratch / "distilled"), results(scratch / "distilled_fsdp")
+    for found in (single, sharded):
+        assert abs(found["teacher_val_accuracy"] - own) < 0.01 and found["val_accuracy"] > 0.9, found
+    assert "teacher" not in "".join(last_checkpoint(scratch / "distilled")["model"]), "the teacher is in the checkpoint"
+    return (f"teacher {own:.4f}; student val_accuracy single bf16 {single['val_accuracy']:.4f}, fsdp x1 nccl bf16 "
+            f"{sharded['val_accuracy']:.4f}")
+
+
+def check_simclr_gathers_negatives_on_cuda(scratch: Path) -> str:
+    """task=simclr on cuda:0: the all_gather with gradient over nccl (world size 1) and over gloo (2 ranks sharing
+    the GPU, SyncBN): 2 x 8 equal 1 x 16 without augmentation, and the probe learns digits with it."""
+    common = ["task=simclr", "data.views=2", "data.augment=false", *TINY, "data.num_samples=128", "trainer.max_epochs=1",
+              "deterministic=true"]
+    launch(["strategy=ddp", "backend=gloo", "syncbn=true", *common, "data.batch_size=8"], scratch / "simclr_shared", nproc=2)
+    launch(["strategy=single", *common, "data.batch_size=16"], scratch / "simclr_single")
+    shared, single = last_checkpoint(scratch / "simclr_shared")["model"], last_checkpoint(scratch / "simclr_single")["model"]
+    worst = max((shared[k].double() - single[k].double()).abs().max().item() for k in single if single[k].is_floating_point())
+    for key in single:
+        torch.testing.assert_close(shared[key], single[key], rtol=1e-3, atol=1e-4, msg=lambda m, key=key: f"{key}: {m}")
+    launch(["strategy=ddp", "backend=nccl", "syncbn=true", "task=simclr", "data.views=2", "data.augment=true",
+            "model.channels=[32,64]", "data.batch_size=32", "optim.lr=0.02", "trainer.max_epochs=3"], scratch / "simclr_nccl", nproc=1)
+    probe = results(scratch / "simclr_nccl")["val_accuracy"]
+    assert probe > 0.5, probe
+    return f"gloo 2x8 == 1x16 within rtol 1e-3 (largest difference {worst:.2g}); nccl x1 digits probe val_accuracy={probe:.4f}"
+
+
 CHECKS = [
     check_single_learns_digits,
     check_fp16_learns_digits_with_channels_last_and_ema,
@@ -332,6 +370,8 @@ CHECKS = [
     check_checkpoint_loads_on_a_cpu_only_host,
     check_peak_memory_resets_between_multirun_jobs,
     check_devices_restrict_the_visible_gpus,
+    check_distillation_teacher_on_cuda_single_and_fsdp,
+    check_simclr_gathers_negatives_on_cuda,
     check_resnet18_throughput,
 ]
 
