@@ -38,6 +38,7 @@ from ddp.loading.loader_workers import start_worker_server
 from ddp.loading.loaders import build_train_loader, build_val_loader, iterate_from, start_epoch
 from ddp.reporting.meter import reset_peak_memory
 from ddp.reporting.monitor import RunMonitor
+from ddp.reporting.profiling import cuda_memory_history
 from ddp.reporting.rank_zero import quiet_console_on_other_ranks
 from ddp.reporting.results import log_hparams, log_results, log_setup, training_results, write_results
 from ddp.run_context import RunContext
@@ -73,7 +74,8 @@ def run(cfg: DictConfig, run_dir: Path, relaunch: str) -> dict:
         return evaluate_checkpoint(ctx, splits, task)  # evaluate.py, the recipe of mode=eval
     start_worker_server(splits.train, cfg.data.num_workers)  # for DataLoader workers, while the rank sets up (loading/loader_workers.py)
     with process_group(backend, env, device, cfg.strategy.timeout_s) if distributed else contextlib.nullcontext():
-        return fit(ctx, splits, task, length, model, resumed)
+        with cuda_memory_history(ctx):  # profiler.memory_history: allocations recorded, a snapshot on out-of-memory
+            return fit(ctx, splits, task, length, model, resumed)
 
 
 def check_startup(cfg: DictConfig, run_dir: Path, *, world_size: int, restarted: bool) -> tuple:
@@ -123,6 +125,7 @@ def fit(ctx: RunContext, splits, task, length: TrainingLength, model, resumed) -
     checkpointer = Checkpointer(ctx, update, raw_model, train_loader.generator, samples_per_batch=length.samples_per_batch,
                                 train_size=len(splits.train), saved_step=position.global_step if resumed else -1, best=best)
     monitor = RunMonitor(ctx, trained, length, start_step=position.global_step, resumed=bool(resumed))
+    monitor.mark_phases(update, validator, checkpointer)  # profiler.enabled only: phases named in the trace
     slow_down(trained, cfg.fault, env.rank)  # testing aid; after the monitor's compute timer hooks in, so it counts it
     recorder = SampleRecorder(cfg.fault.record_samples_dir, env.rank, cfg.data.batch_size) if cfg.fault.record_samples_dir else None
     house = Housekeeping(StopOnSignal.of(cfg.trainer, env, device, ctx.relaunch), monitor, checkpointer, validator, best, recorder)
@@ -149,11 +152,9 @@ def train(ctx: RunContext, update: UpdateStep, train_loader, position: Position,
     while position.epoch < trainer.max_epochs and position.global_step < length.max_steps and not best.stop:
         epoch_started = time.perf_counter()
         start_epoch(train_loader, position.epoch, ctx.cfg.seed, ctx.env.rank, position.epoch_start)
-        # as many as the full epoch, but a resumed epoch that starts part-way may have one fewer
-        epoch_batches = min(len(train_loader), length.batches_per_epoch)
+        epoch_batches = min(len(train_loader), length.batches_per_epoch)  # a resumed epoch that starts part-way may have one fewer
         restore = functools.partial(checkpointer.restore_rank_state, rank_state) if rank_state else None
-        batches = iterate_from(train_loader, position.batch_in_epoch, epoch_batches, on_resume=restore)
-        rank_state = None
+        batches, rank_state = iterate_from(train_loader, position.batch_in_epoch, epoch_batches, on_resume=restore), None
         record_batch = house.recorder.start_epoch(train_loader.sampler, position.epoch) if house.recorder else None
         updates = train_one_epoch(update, monitor.start_epoch(batches, position.global_step), epoch_batches, position, length,
                                   ctx.env.world_size, record_batch)
@@ -229,8 +230,7 @@ register_resolvers()
 def main(cfg: DictConfig) -> float:
     """Returns the task's objective (`objective_key`: the final, the best, or data.split's): what a sweeper optimises."""
     hydra_cfg = HydraConfig.get()
-    run_dir = Path(hydra_cfg.runtime.output_dir)
-    env = DistEnv.from_environ()
+    run_dir, env = Path(hydra_cfg.runtime.output_dir), DistEnv.from_environ()
     relaunch = resume_command(sys.argv[0], list(hydra_cfg.overrides.task), env.local_world_size if env.launched else None, run_dir)
     try:
         if cfg.strategy.name in MULTI_PROCESS and not env.launched and (nproc := cfg.strategy.nproc_per_node) > 0:

@@ -82,6 +82,8 @@ DEFAULT_KEYS = {
     "checkpoint.every_n_steps", "checkpoint.keep_last", "checkpoint.keep_best", "checkpoint.best_of",
     "fault.kill_rank", "fault.raise_rank", "fault.stall_rank", "fault.at_step", "fault.every_attempt",
     "fault.record_samples_dir", "fault.slow_rank", "fault.slow_ms", "fault.slow_val_ms",
+    "profiler.enabled", "profiler.wait", "profiler.warmup", "profiler.active", "profiler.table_rows",
+    "profiler.memory_history", "profiler.memory_snapshot_step",
     "ema.decay", "devices", "backend", "syncbn", "deterministic", "precision", "channels_last", "compile", "compile_mode", "seed", "mode", "resume",
 }
 

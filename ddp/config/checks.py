@@ -177,11 +177,27 @@ def validate(cfg: Any, *, launched: bool, world_size: int) -> None:
         )
     if strategy == "fsdp":
         _check_fsdp_settings(cfg)
+    _check_profiler_settings(cfg.profiler)
     if cfg.data.get("download", False):
         _check(world_size == 1, "data.download=true: download with one process first, then launch torchrun with data.download=false")
     root = cfg.data.get("root")
     if root is not None and not cfg.data.get("download", False):
         _check(Path(root).is_dir(), f"data.root={root}: no such directory; point data.root at the dataset's folder")
+
+
+def _check_profiler_settings(profiler: Any) -> None:
+    """The profiler's schedule and CUDA's memory history (ddp/reporting/profiling.py)."""
+    for key in ("wait", "warmup", "table_rows"):
+        _check(profiler[key] >= 0, f"profiler.{key}={profiler[key]}: must be >= 0")
+    _check(profiler.active >= 1, f"profiler.active={profiler.active}: must be >= 1 (the updates the trace records)")
+    step = profiler.memory_snapshot_step
+    _check(step is None or step >= 1, f"profiler.memory_snapshot_step={step}: must be a global step >= 1, or null")
+    _check(step is None or profiler.memory_history, f"profiler.memory_snapshot_step={step} dumps the recorded memory "
+                                                    "history: add profiler.memory_history=true")
+    # device_count asks NVML where it can, so CUDA isn't initialised before `devices` restricts the visible GPUs
+    _check(not profiler.memory_history or torch.cuda.device_count() > 0,
+           "profiler.memory_history=true records CUDA allocations, but this run has no CUDA device: drop it "
+           "(profiler.enabled=true traces CPU runs)")
 
 
 def _check_fsdp_settings(cfg: Any) -> None:

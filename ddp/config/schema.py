@@ -136,6 +136,23 @@ class EMAConfig:
 
 
 @dataclass
+class ProfilerConfig:
+    """torch.profiler over a few updates, and CUDA memory snapshots: each rank writes its own files
+    under the run dir's profiler/ (docs/profiling.md). Off by default, and then it costs nothing."""
+
+    # trace this process's updates wait+warmup+1 .. wait+warmup+active (a resumed run counts from its own start)
+    enabled: bool = False
+    wait: int = 1  # updates not traced first (the first ones carry one-off setup costs)
+    warmup: int = 1  # updates traced but thrown away (the profiler's own start-up skews them)
+    active: int = 3  # updates recorded into the trace, profiler/rank<R>_step<N>.json.gz (N: the last one's global step)
+    table_rows: int = 15  # rows of the key-averages table rank 0 logs at the end (0: none)
+    # CUDA only: record every allocation from the start; each rank dumps profiler/memory_rank<R>_step<N>.pickle
+    # at memory_snapshot_step (a global step) and profiler/memory_rank<R>_oom.pickle on an out-of-memory error
+    memory_history: bool = False
+    memory_snapshot_step: int | None = None
+
+
+@dataclass
 class TrainerConfig:
     max_epochs: int = 10
     max_steps: int = -1  # -1: no limit; otherwise stop after this many optimizer steps (updates)
@@ -197,6 +214,7 @@ class TrainConfig:
     ema: EMAConfig = field(default_factory=EMAConfig)
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
     fault: FaultConfig = field(default_factory=FaultConfig)
+    profiler: ProfilerConfig = field(default_factory=ProfilerConfig)
     mode: str = "train"  # train | eval: evaluate the checkpoint that `resume` names, train nothing
     resume: str | None = None  # auto | a run dir | a checkpoint file; auto after a torchrun restart
     # The GPUs this run may use, e.g. [0, 2] (seen as cuda:0 and cuda:1); null: all that CUDA_VISIBLE_DEVICES leaves

@@ -1,5 +1,5 @@
 """How a job ends when its run fails or is interrupted: a config error (its run dir put back as it was),
-divergence or a full disk as one line and exit 1, a sweep's job failing alone (without the frames that
+divergence, a full disk or CUDA out of memory (with profiler.memory_history) as one line and exit 1, a sweep's job failing alone (without the frames that
 hold its run), a sweep under torchrun stopped at once."""
 
 import logging
@@ -14,6 +14,7 @@ from ddp.config.schema import ConfigError
 from ddp.distributed.env import DistEnv
 from ddp.jobs.preemption import Interrupted, resume_command
 from ddp.jobs.run_dir import undo_refused_launch
+from ddp.reporting.profiling import OutOfMemory
 from ddp.reporting.sweep_summary import record_failed_job
 from ddp.training.update import Diverged
 
@@ -55,7 +56,7 @@ def end_failed_job(error: BaseException, hydra_cfg, cfg, env: DistEnv) -> BaseEx
         sys.exit(130)
     if isinstance(error, DiskFull):
         error = DiskFull(f"{error}: free some space, then {_how_to_continue(hydra_cfg, env)}")
-    if isinstance(error, (ConfigError, Diverged, DiskFull)):
+    if isinstance(error, (ConfigError, Diverged, DiskFull, OutOfMemory)):
         # without the frames that hold it, the run's DataLoader shuts its workers down now, before the line
         drop_traceback(error)
         if isinstance(error, ConfigError):

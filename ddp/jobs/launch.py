@@ -17,6 +17,7 @@ from torch.distributed.launcher.api import LaunchConfig, elastic_launch
 from ddp.checkpoints.checkpoint import DiskFull
 from ddp.config.schema import ConfigError
 from ddp.jobs.preemption import Interrupted
+from ddp.reporting.profiling import OutOfMemory
 from ddp.training.update import Diverged
 
 log = logging.getLogger(__name__)
@@ -25,7 +26,7 @@ log = logging.getLogger(__name__)
 # checks are the same on each; divergence and a failed save are decided together), so a worker returns
 # one as its result and the launcher raises it again: a failed worker would print the agent's
 # tracebacks (one a rank) and torch's error summary, and be restarted under strategy.max_restarts.
-ONE_LINE_ERRORS = (ConfigError, Diverged, DiskFull)
+ONE_LINE_ERRORS = (ConfigError, Diverged, DiskFull, OutOfMemory)
 ONE_LINE_ERROR = "one_line_error"
 # The same line format as hydra.job_logging in conf/config.yaml: spawned workers have no Hydra logging.
 LOG_FORMAT = "[%(asctime)s][rank {rank}][%(name)s][%(levelname)s] %(message)s"

@@ -1,6 +1,7 @@
 """What the run watches between updates: the progress bar, the training scalars, the throughput,
-data-wait and straggler meters, the fault aids and the non-finite check. Stopping at a signal is
-StopOnSignal's (ddp/jobs/preemption.py), beside it in the loop."""
+data-wait and straggler meters, the fault aids, the non-finite check, and the profiler when it is on
+(ddp/reporting/profiling.py). Stopping at a signal is StopOnSignal's (ddp/jobs/preemption.py), beside
+it in the loop."""
 
 import contextlib
 import logging
@@ -14,6 +15,7 @@ from tqdm import tqdm
 from ddp.distributed.process_group import gather_per_rank
 from ddp.jobs.faults import inject_fault
 from ddp.reporting.meter import ComputeTimer, ThroughputMeter, peak_memory, straggler_stats
+from ddp.reporting.profiling import StepProfiler, dump_memory_snapshot, marked_batches
 from ddp.reporting.rank_zero import RankZeroWriter
 from ddp.run_context import RunContext
 
@@ -40,20 +42,31 @@ class RunMonitor:
         self.run_dir, self.purge_step = ctx.run_dir, start_step + 1 if resumed else None
         self.writer: RankZeroWriter | None = None
         self._logged_step, self._logged_at = start_step, time.perf_counter()
+        # profiler.*: None when off, so the loop runs exactly as without it
+        self.profiler = StepProfiler(ctx) if ctx.cfg.profiler.enabled else None
+        self.memory_snapshot_step = ctx.cfg.profiler.memory_snapshot_step
 
     def __enter__(self) -> "RunMonitor":
         self._exit_stack = contextlib.ExitStack()
         self.writer = self._exit_stack.enter_context(RankZeroWriter(self.run_dir, self.env, purge_step=self.purge_step))
+        if self.profiler is not None:
+            self._exit_stack.enter_context(self.profiler)
         return self
 
     def __exit__(self, *exc_info) -> None:
         self._exit_stack.__exit__(*exc_info)
 
+    def mark_phases(self, update, validator, checkpointer) -> None:
+        """When profiling: the update's phases, validation and saves marked in the trace."""
+        if self.profiler is not None:
+            self.profiler.mark_phases(update, validator, checkpointer)
+
     def start_epoch(self, batches: Iterable, step: int) -> Iterator:
-        """`batches`, timed for the data-wait meter; the throughput clock runs from here."""
+        """`batches`, timed for the data-wait meter (and marked, when profiling); the throughput clock runs from here."""
         self._logged_step, self._logged_at = step, time.perf_counter()
         self.meter.resume()
-        return self.meter.timed(batches)
+        timed = self.meter.timed(batches)
+        return marked_batches(timed) if self.profiler is not None else timed
 
     def end_epoch(self) -> None:
         """The throughput clock stops: the epoch-end work isn't training."""
@@ -82,6 +95,10 @@ class RunMonitor:
             update.check_finite(step)
         if step % self.log_every_n_steps == 0:
             self._log_ranks(step)
+        if self.profiler is not None:
+            self.profiler.step(step)
+        if step == self.memory_snapshot_step:
+            dump_memory_snapshot(self.run_dir, f"memory_rank{self.env.rank}_step{step}.pickle")
 
     def _log_training(self, update, loss: torch.Tensor, step: int) -> None:
         loss_value = loss.item()  # waits for the device, so the clock below counts the work done

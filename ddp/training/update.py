@@ -84,19 +84,30 @@ class UpdateStep:
         if is_sharded(self.model):
             self.model.set_requires_gradient_sync(last)
         with self.model.no_sync() if accumulate_locally else contextlib.nullcontext():
-            with torch.autocast(self.device.type, dtype=self.autocast_dtype, enabled=self.autocast_dtype is not None):
-                loss = self.task.training_step(self.model, batch)
-            if isinstance(loss, dict):
-                self.terms = {name: term.detach() for name, term in loss.items() if name != "loss"}
-                loss = loss["loss"]
-            scaled = loss / group_size
-            (self.scaler.scale(scaled) if self.scaler else scaled).backward()
+            loss = self.forward_and_loss(batch)
+            self.backward(loss / group_size)
         self.finite.mul_(torch.isfinite(loss.detach()))
         if last:
-            self._update()
+            self.optimizer_step()
         return loss.detach()
 
-    def _update(self) -> None:
+    # The phases of micro_step, one method each: a profiler marks them on its instance (ddp/reporting/profiling.py).
+    PHASES = ("forward_and_loss", "backward", "optimizer_step")
+
+    def forward_and_loss(self, batch) -> torch.Tensor:
+        """The task's training step under autocast; its extra loss terms go to `terms`."""
+        with torch.autocast(self.device.type, dtype=self.autocast_dtype, enabled=self.autocast_dtype is not None):
+            loss = self.task.training_step(self.model, batch)
+        if isinstance(loss, dict):
+            self.terms = {name: term.detach() for name, term in loss.items() if name != "loss"}
+            loss = loss["loss"]
+        return loss
+
+    def backward(self, scaled_loss: torch.Tensor) -> None:
+        (self.scaler.scale(scaled_loss) if self.scaler else scaled_loss).backward()
+
+    def optimizer_step(self) -> None:
+        """The update after a group's last micro-batch: unscale, clip, step, zero_grad, schedule, EMA."""
         self.lr = self.optimizer.param_groups[0]["lr"]
         if self.clip_norm is not None:
             if self.scaler:

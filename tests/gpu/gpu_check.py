@@ -11,8 +11,10 @@ and exits 0 without running anything. It uses at most one GPU (cuda:0): two rank
 gloo, and nccl runs at world size 1.
 """
 
+import gzip
 import json
 import os
+import pickle
 import subprocess
 import sys
 import tempfile
@@ -356,6 +358,29 @@ def check_simclr_gathers_negatives_on_cuda(scratch: Path) -> str:
     return f"gloo 2x8 == 1x16 within rtol 1e-3 (largest difference {worst:.2g}); nccl x1 digits probe val_accuracy={probe:.4f}"
 
 
+def check_profiler_traces_cuda_kernels_and_snapshots_memory(scratch: Path) -> str:
+    """profiler.* on cuda:0, 2 ranks sharing the GPU over gloo: each rank's trace holds CUDA kernels besides the
+    loop's phases, and its memory snapshot (recorded from the start) is written at the chosen step and unpickles
+    as torch's snapshot, with segments and an allocation history (pytorch.org/memory_viz reads the same file)."""
+    cwd = scratch / "profiler"
+    launch(["strategy=ddp", "backend=gloo", *TINY, "data.batch_size=16", "trainer.max_epochs=1", "profiler.enabled=true",
+            "profiler.wait=1", "profiler.warmup=1", "profiler.active=2", "profiler.memory_history=true",
+            "profiler.memory_snapshot_step=3"], cwd, nproc=2)
+    folder = run_dir(cwd) / "profiler"
+    kernels = {}
+    for rank in (0, 1):
+        with gzip.open(folder / f"rank{rank}_step4.json.gz", "rt") as trace:
+            events = json.load(trace)["traceEvents"]
+        names = {event.get("name", "") for event in events}
+        assert {"forward_and_loss", "backward", "optimizer_step", "data_wait"} <= names, sorted(names)[:50]
+        kernels[rank] = sum(event.get("cat") == "kernel" for event in events)
+        assert kernels[rank] > 0, f"rank {rank}'s trace has no CUDA kernel"
+        with open(folder / f"memory_rank{rank}_step3.pickle", "rb") as snapshot_file:
+            snapshot = pickle.load(snapshot_file)
+        assert snapshot["segments"] and any(snapshot["device_traces"]), list(snapshot)
+    return f"CUDA kernels in the traces: rank 0 {kernels[0]}, rank 1 {kernels[1]}; memory snapshots at step 3 unpickle"
+
+
 CHECKS = [
     check_single_learns_digits,
     check_fp16_learns_digits_with_channels_last_and_ema,
@@ -373,6 +398,7 @@ CHECKS = [
     check_devices_restrict_the_visible_gpus,
     check_distillation_teacher_on_cuda_single_and_fsdp,
     check_simclr_gathers_negatives_on_cuda,
+    check_profiler_traces_cuda_kernels_and_snapshots_memory,
     check_resnet18_throughput,
 ]
 
