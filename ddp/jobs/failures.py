@@ -1,6 +1,6 @@
 """How a job ends when its run fails or is interrupted: a config error (its run dir put back as it was),
-divergence, a full disk or CUDA out of memory (with profiler.memory_history) as one line and exit 1, a sweep's job failing alone (without the frames that
-hold its run), a sweep under torchrun stopped at once."""
+divergence, a full disk or CUDA out of memory (with profiler.memory_history) as one line and exit 1, a
+sweep's job failing alone (without the frames that hold its run), a sweep under torchrun stopped at once."""
 
 import logging
 import signal
