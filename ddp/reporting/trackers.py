@@ -12,6 +12,8 @@ validation's values). A tracker's own failure mid-run is logged in one line and 
 the run and its own files (checkpoints, results.json, TensorBoard) go on.
 """
 
+import contextlib
+import fcntl
 import importlib.util
 import json
 import logging
@@ -199,6 +201,18 @@ class Tracker:
         raise NotImplementedError
 
 
+@contextlib.contextmanager
+def store_lock(uri: str):
+    """A SQLite store's first use creates its tables; two jobs of a sweep starting at once (submitit) would
+    both try, and one would fail. A lock file beside the store lets one create them."""
+    if not uri.startswith("sqlite:///"):
+        yield
+        return
+    with open(uri.removeprefix("sqlite:///") + ".lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        yield
+
+
 class MLflowTracker(Tracker):
     """One MLflow run: the config as params, the scalars as metrics at their steps, images as artifacts.
     The local store (no tracking_uri) is outputs/mlflow.db with artifacts under outputs/mlflow-artifacts/."""
@@ -212,7 +226,17 @@ class MLflowTracker(Tracker):
         self.uri = cfg.tracking_uri or f"sqlite:///{LOCAL_MLFLOW_STORE.resolve()}"
         if not cfg.tracking_uri:
             LOCAL_MLFLOW_STORE.parent.mkdir(parents=True, exist_ok=True)
+        # MLflow retries a server that stopped answering for minutes (7 times, 120 s each), while every rank
+        # waits for rank 0; fail fast instead, once, and go on without it (the user's own settings win)
+        os.environ.setdefault("MLFLOW_HTTP_REQUEST_MAX_RETRIES", "2")
+        os.environ.setdefault("MLFLOW_HTTP_REQUEST_TIMEOUT", "15")
         self.client = MlflowClient(self.uri)
+        with store_lock(self.uri):
+            self._start_run(cfg, run)
+        self.add_params(run.params)
+
+    def _start_run(self, cfg: DictConfig, run: TrackedRun) -> None:
+        """Continues the run dir's MLflow run (reading the last step of each of its metrics), or starts one."""
         self.last_steps: dict[str, int] = {}  # per metric, the last step the run has (a continued run's)
         saved = read_state(run.run_dir).get(self.name)
         if saved and saved["tracking_uri"] == self.uri:
@@ -231,7 +255,6 @@ class MLflowTracker(Tracker):
                                                  run_name=run.run_dir.name, tags=tags).info.run_id
             write_state(run.run_dir, self.name, {"run_id": self.run_id, "tracking_uri": self.uri})
             log.info("mlflow: run %s in experiment %s (%s)", self.run_id, experiment, self.uri)
-        self.add_params(run.params)
 
     def has(self, tag: str, step: int) -> bool:
         return step <= self.last_steps.get(tag, -1)
