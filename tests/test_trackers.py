@@ -302,3 +302,37 @@ def test_a_missing_extra_is_one_line_naming_the_install_command(tmp_path):
     lines = [line for line in (result.stdout + result.stderr).splitlines() if "mlflow" in line]
     assert lines == ["error: logger=mlflow: mlflow is not installed; install it with: pip install -e '.[mlflow]'"], lines
     assert not (tmp_path / "outputs" / "mlflow.db").exists()
+
+
+# --- images ----------------------------------------------------------------------------------------------
+
+def test_segmentations_image_grid_goes_to_mlflow_and_wandb(runs, tmp_path):
+    """task=segmentation's validation grid (the writer's add_image): an MLflow artifact and a W&B image, at its step."""
+    import torch
+
+    from data.shapes import build_shapes
+    from ddp.distributed.env import DistEnv
+    from ddp.reporting.rank_zero import RankZeroWriter
+    from ddp.reporting.trackers import TrackedRun, open_trackers
+    from models.segmentation import small_segnet
+    from tasks.segmentation import SegmentationTask
+
+    splits = build_shapes(num_samples=8, num_val_samples=6, image_size=20, num_classes=4, data_seed=0)
+    task = SegmentationTask(4, splits.class_names, num_images_logged=4)
+    store = runs["cwd"] / "outputs" / "mlflow.db"
+    logger = OmegaConf.create({"mlflow": {"tracking_uri": f"sqlite:///{store}", "experiment": "images"},
+                               "wandb": {"project": "images", "entity": None, "mode": "offline"}})
+    trackers = open_trackers(logger, TrackedRun(tmp_path, {}, None, []))
+    assert [tracker.name for tracker in trackers] == ["mlflow", "wandb"]
+    with RankZeroWriter(tmp_path, DistEnv(rank=0, world_size=1), tensorboard=False, trackers=trackers) as writer:
+        task.log_validation(writer, small_segnet(4, 3, width=4).eval(), splits.val, torch.device("cpu"), step=7)
+    run_id = json.loads((tmp_path / "trackers.json").read_text())["mlflow"]["run_id"]
+    assert [a.path for a in _client(runs["cwd"]).list_artifacts(run_id, "val/images")] == ["val/images/step_00000007.png"]
+    assert list((runs["cwd"] / "outputs" / "mlflow-artifacts").glob(f"{run_id}/artifacts/val/images/step_00000007.png"))
+    (history,) = [record.history for path in tmp_path.glob("wandb/offline-run-*/run-*.wandb") for record in wandb_records(path)
+                  if record.WhichOneof("record_type") == "history"]
+    step = [json.loads(item.value_json) for item in history.item if list(item.nested_key) == ["_step"]]
+    image = {item.nested_key[1]: json.loads(item.value_json) for item in history.item if item.nested_key[0] == "val/images"}
+    assert step == [7] and image["_type"] == "image-file" and (image["width"], image["height"]) == (68, 90)
+    (attempt,) = tmp_path.glob("wandb/offline-run-*")
+    assert (attempt / "files" / image["path"]).stat().st_size == image["size"]

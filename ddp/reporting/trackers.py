@@ -251,7 +251,7 @@ class MLflowTracker(Tracker):
             tags = {"run_dir": str(run.run_dir.resolve()), "overrides": " ".join(run.overrides)}
             if run.sweep:
                 tags["sweep"] = run.sweep
-            self.run_id = self.client.create_run(self._experiment_id(experiment, bool(cfg.tracking_uri)),
+            self.run_id = self.client.create_run(self._experiment_id(experiment),
                                                  run_name=run.run_dir.name, tags=tags).info.run_id
             write_state(run.run_dir, self.name, {"run_id": self.run_id, "tracking_uri": self.uri})
             log.info("mlflow: run %s in experiment %s (%s)", self.run_id, experiment, self.uri)
@@ -259,14 +259,16 @@ class MLflowTracker(Tracker):
     def has(self, tag: str, step: int) -> bool:
         return step <= self.last_steps.get(tag, -1)
 
-    def _experiment_id(self, name: str, server: bool) -> str:
-        """The experiment, created if new (a sweep's jobs may race to create it: the loser reads it)."""
+    def _experiment_id(self, name: str) -> str:
+        """The experiment, created if new (a sweep's jobs may race to create it: the loser reads it). A SQLite
+        store's artifacts go beside it, in mlflow-artifacts/ (MLflow's default is ./mlruns, wherever the launch runs)."""
         from mlflow.exceptions import MlflowException
 
         found = self.client.get_experiment_by_name(name)
         if found is not None:
             return found.experiment_id
-        location = None if server else (LOCAL_MLFLOW_STORE.parent / "mlflow-artifacts").resolve().as_uri()
+        store = Path(self.uri.removeprefix("sqlite:///"))
+        location = (store.parent / "mlflow-artifacts").resolve().as_uri() if self.uri.startswith("sqlite:///") else None
         try:
             return self.client.create_experiment(name, artifact_location=location)
         except MlflowException:
