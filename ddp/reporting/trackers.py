@@ -324,7 +324,8 @@ class WandbTracker(Tracker):
             self.last_step = max(self.last_step, self.wandb_run.starting_step - 1)
         self.continues_after = self.last_step  # this attempt logs the steps after it
         self._save_state()
-        log.info("wandb: %s run %s (%s)", mode, self.wandb_run.id, run.sweep or cfg.project)
+        log.info("wandb: %s run %s (%s)%s", mode, self.wandb_run.id, run.sweep or cfg.project,
+                 f"; upload it later with: wandb sync {run.run_dir}/wandb/offline-run-*" if mode == "offline" else "")
 
     def has(self, tag: str, step: int) -> bool:
         return step <= self.continues_after
