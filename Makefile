@@ -13,7 +13,7 @@ SMOKE_SEG := task=segmentation data=shapes model=small_segnet data.num_samples=3
 export TORCH_DISABLE_SHARE_RDZV_TCP_STORE := 1
 
 .DEFAULT_GOAL := help
-.PHONY: help install train test smoke-test gpu-check sweep bench tensorboard export slurm-up slurm-down
+.PHONY: help install train test smoke-test gpu-check sweep bench tensorboard mlflow-ui export slurm-up slurm-down
 
 help: ## List the targets
 	@grep -E '^[a-z-]+:.*## ' $(MAKEFILE_LIST) | awk -F':.*## ' '{printf "  make %-12s %s\n", $$1, $$2}'
@@ -48,6 +48,12 @@ sweep: install ## A batch-size sweep on CPU: 3 jobs of self-launched DDP on 2 pr
 
 bench: install ## train.py against a plain hand-written DDP loop, side by side: table, ratios and plot in benchmarks/results/ (BENCH_QUICK=1: a tiny version)
 	$(PY) benchmarks/bench.py
+
+# logger=mlflow's local store (docs/tracking.md)
+MLFLOW_STORE ?= outputs/mlflow.db
+MLFLOW_PORT ?= 5000
+mlflow-ui: install ## Serve the runs of logger=mlflow (outputs/mlflow.db) on http://127.0.0.1:5000
+	$(VENV)/bin/mlflow ui --backend-store-uri sqlite:///$(abspath $(MLFLOW_STORE)) --host 127.0.0.1 --port $(MLFLOW_PORT)
 
 export: install ## A sharded (strategy=fsdp) checkpoint as one plain state_dict: make export CKPT=<run dir>/checkpoints/step-N writes <dir>/model.pt
 	$(PY) -m ddp.checkpoints.export $(CKPT)

@@ -60,6 +60,7 @@ OPTIONS = {
     "scheduler": {"none": schema.SchedulerConfig, "cosine": schema.CosineSchedulerConfig, "step": schema.StepSchedulerConfig},
     "task": {"classification": ClassificationTask, "segmentation": SegmentationTask, "simclr": SimCLRTask,
              "distillation": DistillationTask},
+    "logger": {"tensorboard": schema.TensorBoardConfig, "mlflow": schema.MLflowConfig, "wandb": schema.WandbConfig},
 }
 ALL_OPTIONS = [(group, option) for group, options in OPTIONS.items() for option in options]
 
@@ -124,6 +125,10 @@ OPTION_KEYS = {
                                "temperature", "precision", "label_smoothing", "mixup_alpha", "cutmix_alpha"},
     ("task", "simclr"): {"_target_", "objective", "direction", "temperature", "projection_dim", "global_negatives",
                          "label_smoothing", "mixup_alpha", "cutmix_alpha"},
+    # the logger group's options are picked several at a time (logger=[tensorboard,mlflow]): each fills logger.<option>
+    ("logger", "tensorboard"): set(),
+    ("logger", "mlflow"): {"tracking_uri", "experiment"},
+    ("logger", "wandb"): {"project", "entity", "mode"},
 }
 
 OPTIMIZERS = {"sgd": torch.optim.SGD, "adam": torch.optim.Adam, "adamw": torch.optim.AdamW}
@@ -164,6 +169,11 @@ def test_option_composes_against_its_schema(group, option):
         assert cfg[group]._target_ == f"{builder.__module__}.{builder.__qualname__}"
         options = set(inspect.signature(builder).parameters) - set(run_args) - set(schema.OPTIONAL_RUN_ARGS.get(group, ()))
         assert set(builder_options(cfg[group], group)) - {"_recursive_"} == {"_target_", *options}
+    elif group == "logger":
+        assert OmegaConf.get_type(cfg.logger[option]) is OPTIONS[group][option]
+        assert [name for name in cfg.logger if cfg.logger[name] is not None] == [option]
+        assert set(cfg.logger[option]) == OPTION_KEYS[group, option], "update OPTION_KEYS deliberately when adding an option"
+        return
     else:
         assert OmegaConf.get_type(cfg[group]) is OPTIONS[group][option]
     assert set(cfg[group]) == OPTION_KEYS[group, option], "update OPTION_KEYS deliberately when adding an option"
@@ -354,6 +364,10 @@ def test_default_config_keys_are_frozen():
         "update this list deliberately when adding an option"
     )
     assert isinstance(compose_config().model._get_node("channels"), ListConfig)
+    # the logger group picks TensorBoard alone by default; several by a list
+    assert {name for name, node in compose_config().logger.items() if node is not None} == {"tensorboard"}
+    assert {name for name, node in compose_config("logger=[tensorboard,mlflow,wandb]").logger.items()
+            if node is not None} == {"tensorboard", "mlflow", "wandb"}
 
 
 @pytest.mark.parametrize("override, key", [

@@ -11,6 +11,7 @@ from omegaconf import DictConfig, OmegaConf
 
 from ddp.config.builder_options import builder_options
 from ddp.config.schema import BUILDERS, MULTI_PROCESS, ConfigError
+from ddp.reporting.trackers import check_trackers
 
 
 def check_model_accepts(model: torch.nn.Module, sample: torch.Tensor) -> None:
@@ -178,6 +179,8 @@ def validate(cfg: Any, *, launched: bool, world_size: int) -> None:
     if strategy == "fsdp":
         _check_fsdp_settings(cfg)
     _check_profiler_settings(cfg.profiler)
+    if cfg.mode == "train":
+        check_trackers(cfg.logger)
     if cfg.data.get("download", False):
         _check(world_size == 1, "data.download=true: download with one process first, then launch torchrun with data.download=false")
     root = cfg.data.get("root")

@@ -153,6 +153,37 @@ class ProfilerConfig:
 
 
 @dataclass
+class TensorBoardConfig:
+    """logger=tensorboard: event files in the run dir (no options)."""
+
+
+@dataclass
+class MLflowConfig:
+    """logger=mlflow (docs/tracking.md): one MLflow run per launch, continued by a resume."""
+
+    tracking_uri: str | None = None  # null: the local store outputs/mlflow.db (no server; `make mlflow-ui`); else a server's URL
+    experiment: str | None = None  # null: hydra-ddp, and for a sweep's jobs the sweep dir; else this name for every run
+
+
+@dataclass
+class WandbConfig:
+    """logger=wandb (docs/tracking.md): one W&B run per launch, continued by a resume, files under <run dir>/wandb/."""
+
+    project: str = "hydra-ddp"
+    entity: str | None = None  # null: the W&B default of the logged-in user
+    mode: str = "auto"  # auto | online | offline; auto: online when an API key is set up, else offline (`wandb sync` later)
+
+
+@dataclass
+class LoggerConfig:
+    """The trackers a run logs to, picked in the `logger` group (logger=[tensorboard,mlflow]); unpicked ones are null."""
+
+    tensorboard: TensorBoardConfig | None = None
+    mlflow: MLflowConfig | None = None
+    wandb: WandbConfig | None = None
+
+
+@dataclass
 class TrainerConfig:
     max_epochs: int = 10
     max_steps: int = -1  # -1: no limit; otherwise stop after this many optimizer steps (updates)
@@ -215,6 +246,7 @@ class TrainConfig:
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
     fault: FaultConfig = field(default_factory=FaultConfig)
     profiler: ProfilerConfig = field(default_factory=ProfilerConfig)
+    logger: LoggerConfig = field(default_factory=LoggerConfig)
     mode: str = "train"  # train | eval: evaluate the checkpoint that `resume` names, train nothing
     resume: str | None = None  # auto | a run dir | a checkpoint file; auto after a torchrun restart
     # The GPUs this run may use, e.g. [0, 2] (seen as cuda:0 and cuda:1); null: all that CUDA_VISIBLE_DEVICES leaves

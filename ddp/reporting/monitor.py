@@ -17,14 +17,15 @@ from ddp.jobs.faults import inject_fault
 from ddp.reporting.meter import ComputeTimer, ThroughputMeter, peak_memory, straggler_stats
 from ddp.reporting.profiling import StepProfiler, dump_memory_snapshot, marked_batches
 from ddp.reporting.rank_zero import RankZeroWriter
+from ddp.reporting.trackers import TrackedRun, open_trackers, picked
 from ddp.run_context import RunContext
 
 log = logging.getLogger("train")  # the run's own console lines, under the script's name
 
 
 class RunMonitor:
-    """A context manager for the training loop: inside it `writer` is the run's TensorBoard writer
-    (rank 0 only), closed however the run ends.
+    """A context manager for the training loop: inside it `writer` is the run's TensorBoard writer and
+    trackers (the logger group's; rank 0 only), closed however the run ends.
 
     Reads of the device (loss, gradient norm, the finite check, the ranks' meters) happen only at
     log steps and epoch ends, where the loop waits for the device anyway."""
@@ -40,6 +41,7 @@ class RunMonitor:
                              disable=not (env.is_main and sys.stderr.isatty()))
         # a resumed run drops the events the interrupted one logged after its checkpoint
         self.run_dir, self.purge_step = ctx.run_dir, start_step + 1 if resumed else None
+        self.cfg = ctx.cfg
         self.writer: RankZeroWriter | None = None
         self._logged_step, self._logged_at = start_step, time.perf_counter()
         # profiler.*: None when off, so the loop runs exactly as without it
@@ -48,7 +50,10 @@ class RunMonitor:
 
     def __enter__(self) -> "RunMonitor":
         self._exit_stack = contextlib.ExitStack()
-        self.writer = self._exit_stack.enter_context(RankZeroWriter(self.run_dir, self.env, purge_step=self.purge_step))
+        logger = self.cfg.logger
+        trackers = open_trackers(logger, TrackedRun.of(self.cfg, self.run_dir)) if self.env.is_main else []
+        self.writer = self._exit_stack.enter_context(RankZeroWriter(
+            self.run_dir, self.env, purge_step=self.purge_step, tensorboard="tensorboard" in picked(logger), trackers=trackers))
         if self.profiler is not None:
             self._exit_stack.enter_context(self.profiler)
         return self
@@ -75,6 +80,7 @@ class RunMonitor:
     def log_epoch(self, step: int, train_loss: float, epoch_time_s: float) -> None:
         self.writer.add_scalar("train/epoch_loss", train_loss, step)
         self.writer.add_scalar("train/epoch_time_s", epoch_time_s, step)
+        self.writer.commit()
 
     @contextlib.contextmanager
     def paused(self) -> Iterator[None]:
@@ -95,6 +101,7 @@ class RunMonitor:
             update.check_finite(step)
         if step % self.log_every_n_steps == 0:
             self._log_ranks(step)
+            self.writer.commit()
         if self.profiler is not None:
             self.profiler.step(step)
         if step == self.memory_snapshot_step:
@@ -133,6 +140,7 @@ class RunMonitor:
     def log_best(self, metric: str, value: float, step: int) -> None:
         """The best so far of the metric that ranks validations, e.g. val/best_accuracy."""
         self.writer.add_scalar(metric.replace("val_", "val/best_", 1), value, step)
+        self.writer.commit()
 
     def close_progress(self) -> None:
         self.progress.close()
@@ -151,6 +159,7 @@ class RunMonitor:
         for key, per_rank_bytes in state_bytes_per_rank.items():
             for rank, value in enumerate(per_rank_bytes):
                 self.writer.add_scalar(f"memory/{key.removesuffix('_per_rank')}/rank{rank}", value, step)
+        self.writer.commit()
         return {
             "samples_per_s": samples_per_s,
             "samples_per_s_per_rank": samples_per_s / self.env.world_size if samples_per_s else None,

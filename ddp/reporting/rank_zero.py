@@ -1,4 +1,5 @@
-"""Output that only rank 0 writes: console logging, TensorBoard events, results.json."""
+"""Output that only rank 0 writes: console logging, TensorBoard events and the other trackers' runs
+(ddp/reporting/trackers.py), results.json."""
 
 import json
 import logging
@@ -7,6 +8,8 @@ from pathlib import Path
 from typing import Any
 
 from ddp.distributed.env import DistEnv
+
+log = logging.getLogger("train")
 
 
 def quiet_console_on_other_ranks(env: DistEnv) -> None:
@@ -19,12 +22,19 @@ def quiet_console_on_other_ranks(env: DistEnv) -> None:
 
 
 class RankZeroWriter:
-    """A TensorBoard SummaryWriter on rank 0 and a no-op elsewhere, so other ranks write no event files."""
+    """On rank 0, a TensorBoard SummaryWriter (unless `tensorboard` is off) and the `trackers` the logger
+    group picked, each call fanned out to all of them; a no-op elsewhere, so other ranks write no event
+    files and open no tracker run. The loop names no tracker: it calls add_scalar, add_image and
+    add_hparams, and `commit` where a step's values are all in.
 
-    def __init__(self, log_dir: Path, env: DistEnv, purge_step: int | None = None):
+    A tracker that fails is named in one line and dropped; the run and its own files go on."""
+
+    def __init__(self, log_dir: Path, env: DistEnv, purge_step: int | None = None, *, tensorboard: bool = True,
+                 trackers: list | None = None):
         self.writer = None
+        self.trackers = list(trackers or []) if env.is_main else []
         self.earlier_event_files: list[Path] = []  # an earlier attempt's, in a resumed run's dir
-        if env.is_main:  # imported here, on rank 0 only: the import is a noticeable part of start-up
+        if env.is_main and tensorboard:  # imported here, on rank 0 only: the import is a noticeable part of start-up
             from torch.utils.tensorboard import SummaryWriter
 
             self.earlier_event_files = sorted(Path(log_dir).glob("events.out.tfevents.*"))
@@ -34,16 +44,35 @@ class RankZeroWriter:
     @property
     def active(self) -> bool:
         """Whether this rank writes: work done only to be logged can be skipped where it doesn't."""
-        return self.writer is not None
+        return self.writer is not None or bool(self.trackers)
+
+    def _to_trackers(self, call: str, *args) -> None:
+        for tracker in list(self.trackers):
+            try:
+                getattr(tracker, call)(*args)
+            except Exception as error:  # the tracker's own failure (a server gone): never the run's
+                self.trackers.remove(tracker)
+                reason = "; ".join(line.strip() for line in str(error).strip().splitlines()) or type(error).__name__
+                log.warning("logger=%s failed (%s): it logs nothing more; the run and its files go on", tracker.name,
+                            reason[:300])
 
     def add_scalar(self, tag: str, value: float, step: int) -> None:
         if self.writer is not None:
             self.writer.add_scalar(tag, value, step)
+        if self.trackers:
+            self._to_trackers("add_scalar", tag, value, step)
+
+    def commit(self) -> None:
+        """Sends the trackers the values added so far (a step's, an epoch's, a validation's)."""
+        if self.trackers:
+            self._to_trackers("commit")
 
     def add_image(self, tag: str, image, step: int) -> None:
         """`image`: 3 x H x W, floats in [0, 1] (SummaryWriter.add_image's default CHW)."""
         if self.writer is not None:
             self.writer.add_image(tag, image, step)
+        if self.trackers:
+            self._to_trackers("add_image", tag, image, step)
 
     def add_hparams(self, hparam_dict: dict[str, Any], metric_dict: dict[str, float], step: int) -> None:
         """Written into this run's own event dir, unlike SummaryWriter.add_hparams, which opens a
@@ -53,7 +82,14 @@ class RankZeroWriter:
         are metadata only, and TensorBoard keeps the metadata of the first record of a tag it reads in
         a run dir (its event files in name order, that is by start time), ignoring later ones; its purge
         on resume drops values, never metadata. So the earlier attempts' event files are rewritten
-        without their hparams records, once this attempt's are on disk."""
+        without their hparams records, once this attempt's are on disk.
+
+        The trackers get the hparams as params, and the metrics as scalars at `step`."""
+        if self.trackers:
+            self._to_trackers("add_params", hparam_dict)
+            for tag, value in metric_dict.items():
+                self._to_trackers("add_scalar", tag, value, step)
+            self._to_trackers("commit")
         if self.writer is None:
             return
         from torch.utils.tensorboard.summary import hparams
@@ -67,16 +103,18 @@ class RankZeroWriter:
         for path in self.earlier_event_files:
             drop_hparams_records(path)
 
-    def close(self) -> None:
+    def close(self, failed: bool = False) -> None:
         if self.writer is not None:
             self.writer.close()
+        self._to_trackers("close", failed)
+        self.trackers = []
 
     # A context manager, so that the writer closes however the run ends (a sweep's next job runs in this process).
     def __enter__(self) -> "RankZeroWriter":
         return self
 
-    def __exit__(self, *exc_info) -> None:
-        self.close()
+    def __exit__(self, exc_type, *exc_info) -> None:
+        self.close(failed=exc_type is not None)
 
 
 def drop_hparams_records(event_file: Path) -> None:

@@ -1,0 +1,357 @@
+"""Experiment trackers besides TensorBoard (logger=mlflow, logger=wandb): what RankZeroWriter fans out to.
+
+Rank 0 alone opens a tracker run, once per launch; the run's id is kept in <run dir>/trackers.json,
+so whatever continues the run dir (resume=<run dir>, resume=auto after a torchrun restart, a SLURM
+requeue) continues the same tracker run. A resumed run repeats the steps after its checkpoint,
+bit-identical to the interrupted run's; TensorBoard purges its events after the checkpoint, but
+trackers can't delete points, so a tracker is sent only the (metric, step) points it doesn't have
+yet, read from it once at start. A sweep's jobs are one group, named after the sweep dir.
+
+Values are buffered and sent at `commit` (RunMonitor commits after each log step's, epoch's and
+validation's values). A tracker's own failure mid-run is logged in one line and that tracker stops;
+the run and its own files (checkpoints, results.json, TensorBoard) go on.
+"""
+
+import contextlib
+import fcntl
+import importlib.util
+import json
+import logging
+import os
+import time
+import urllib.error
+import urllib.request
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from omegaconf import DictConfig, OmegaConf
+
+from ddp.config.schema import ConfigError
+
+log = logging.getLogger("train")
+
+TRACKERS = ("mlflow", "wandb")  # logger options besides tensorboard
+INSTALL = {name: f"pip install -e '.[{name}]'" for name in TRACKERS}
+STATE_FILE = "trackers.json"  # in the run dir: each tracker's run id
+LOCAL_MLFLOW_STORE = Path("outputs") / "mlflow.db"  # beside the run dirs; `make mlflow-ui` serves it
+WANDB_MODES = ("auto", "online", "offline")
+
+
+def picked(logger_cfg: DictConfig) -> list[str]:
+    """The logger options this run uses, e.g. ["tensorboard", "mlflow"]."""
+    return [name for name in ("tensorboard", *TRACKERS) if logger_cfg.get(name) is not None]
+
+
+# --- startup checks: one line each, before anything starts ---------------------------------------
+
+def check_trackers(logger_cfg: DictConfig) -> None:
+    """The picked trackers are installed and their settings usable (a server reachable)."""
+    for name in picked(logger_cfg):
+        if name != "tensorboard" and importlib.util.find_spec(name) is None:
+            raise ConfigError(f"logger={name}: {name} is not installed; install it with: {INSTALL[name]}")
+    if logger_cfg.mlflow is not None and logger_cfg.mlflow.tracking_uri:
+        check_mlflow_uri(logger_cfg.mlflow.tracking_uri)
+    if logger_cfg.wandb is not None:
+        mode = logger_cfg.wandb.mode
+        if mode not in WANDB_MODES:
+            raise ConfigError(f"logger.wandb.mode={mode}: unknown, use one of {', '.join(WANDB_MODES)}")
+        if mode == "online" and not wandb_api_key_set():
+            raise ConfigError("logger.wandb.mode=online: no W&B API key is set up; run `wandb login` (or set WANDB_API_KEY), "
+                              "or use logger.wandb.mode=auto to run offline until then")
+
+
+def check_mlflow_uri(uri: str) -> None:
+    key = f"logger.mlflow.tracking_uri={uri}"
+    scheme = uri.split("://", 1)[0] if "://" in uri else ""
+    if scheme in ("http", "https"):
+        try:  # the tracking server's health endpoint
+            with urllib.request.urlopen(uri.rstrip("/") + "/health", timeout=5):
+                pass
+        except (urllib.error.URLError, OSError, ValueError) as error:
+            reason = getattr(error, "reason", error)
+            raise ConfigError(f"{key}: the server can't be reached ({reason}); start it, fix the URL, "
+                              "or drop the key for the local store outputs/mlflow.db") from None
+    elif scheme == "sqlite":
+        path = Path(uri.removeprefix("sqlite:///"))
+        if not path.parent.is_dir():
+            raise ConfigError(f"{key}: the folder {path.parent} doesn't exist; create it or drop the key for outputs/mlflow.db")
+    elif scheme not in ("databricks", "file", "postgresql", "mysql", "mssql"):
+        raise ConfigError(f"{key}: not a tracking URI; use http(s)://<host>:<port> for a server or sqlite:///<file>")
+
+
+def wandb_api_key_set() -> bool:
+    """An API key in the environment or from `wandb login` (~/.netrc): W&B can go online."""
+    if os.environ.get("WANDB_API_KEY"):
+        return True
+    import netrc
+
+    try:
+        return netrc.netrc().authenticators("api.wandb.ai") is not None
+    except (OSError, netrc.NetrcParseError):
+        return False
+
+
+# --- what a run is ------------------------------------------------------------------------------
+
+@dataclass(frozen=True)
+class TrackedRun:
+    """What every tracker is told about the run: its dir, its config as flat params, and its sweep."""
+
+    run_dir: Path
+    params: dict[str, str]  # the config, flattened: {"optim.lr": "0.1", ...}
+    sweep: str | None  # the sweep dir of a sweep's job (the group), else None
+    overrides: list[str]  # the job's command-line overrides
+
+    @classmethod
+    def of(cls, cfg: DictConfig, run_dir: Path) -> "TrackedRun":
+        """The sweep and overrides come from the run dir's .hydra/, which every launcher writes (torchrun,
+        self-launched DDP, submitit): a spawned worker has no HydraConfig."""
+        hydra_dir, sweep, overrides = run_dir / ".hydra", None, []
+        if (hydra_dir / "overrides.yaml").exists():
+            overrides = list(OmegaConf.load(hydra_dir / "overrides.yaml"))
+        if (hydra_dir / "hydra.yaml").exists() and OmegaConf.load(hydra_dir / "hydra.yaml").hydra.mode == "MULTIRUN":
+            sweep = _readable(run_dir.parent)
+        return cls(run_dir, flat_params(OmegaConf.to_container(cfg, resolve=True)), sweep, overrides)
+
+
+def _readable(path: Path) -> str:
+    """The path as the console shows it: relative to the launch's working dir where it lies under it."""
+    try:
+        return str(path.resolve().relative_to(Path.cwd().resolve()))
+    except ValueError:
+        return str(path.resolve())
+
+
+def flat_params(config: dict, prefix: str = "") -> dict[str, str]:
+    params = {}
+    for key, value in config.items():
+        if isinstance(value, dict) and value:
+            params |= flat_params(value, f"{prefix}{key}.")
+        else:
+            params[f"{prefix}{key}"] = json.dumps(value) if isinstance(value, (list, dict)) else str(value)
+    return params
+
+
+def read_state(run_dir: Path) -> dict[str, Any]:
+    path = run_dir / STATE_FILE
+    return json.loads(path.read_text()) if path.exists() else {}
+
+
+def write_state(run_dir: Path, name: str, state: dict[str, Any]) -> None:
+    from ddp.reporting.rank_zero import write_json
+
+    write_json(read_state(run_dir) | {name: state}, run_dir / STATE_FILE)
+
+
+def open_trackers(logger_cfg: DictConfig, run: TrackedRun) -> list:
+    """Rank 0's trackers, each continuing the run dir's earlier tracker run if it has one. One that
+    can't start is named in one line and left out: the training doesn't depend on it."""
+    kinds, trackers = {"mlflow": MLflowTracker, "wandb": WandbTracker}, []
+    for name in picked(logger_cfg):
+        if name in kinds:
+            try:
+                trackers.append(kinds[name](logger_cfg[name], run))
+            except Exception as error:
+                reason = "; ".join(line.strip() for line in str(error).strip().splitlines()) or type(error).__name__
+                log.warning("logger=%s failed to start (%s): the run goes on without it", name, reason[:300])
+    return trackers
+
+
+class Tracker:
+    """Buffers (tag, value, step) points, skips those the tracker has already, sends them at commit."""
+
+    name = ""
+
+    def __init__(self, run: TrackedRun):
+        self.run = run
+        self.pending: list[tuple[str, float, int]] = []
+
+    def has(self, tag: str, step: int) -> bool:
+        """Whether the tracker has this point already (from the interrupted run that this one continues)."""
+        raise NotImplementedError
+
+    def add_scalar(self, tag: str, value: float, step: int) -> None:
+        if not self.has(tag, step):
+            self.pending.append((tag, float(value), step))
+
+    def commit(self) -> None:
+        if self.pending:
+            points, self.pending = self.pending, []
+            self.send(points)
+
+    def send(self, points: list[tuple[str, float, int]]) -> None:
+        raise NotImplementedError
+
+    def add_image(self, tag: str, image, step: int) -> None:
+        """`image`: 3 x H x W floats in [0, 1]."""
+
+    def add_params(self, params: dict[str, Any]) -> None:
+        """The hparams (TensorBoard's HParams row); the config's are given at start."""
+
+    def close(self, failed: bool) -> None:
+        """Ends the tracker's run. A failed run's uncommitted values are of a step it didn't finish: a
+        resume repeats that step, whole, so they are dropped (W&B can't add to a step it has)."""
+        if failed:
+            self.pending = []
+        self.commit()
+        self.end(failed)
+
+    def end(self, failed: bool) -> None:
+        raise NotImplementedError
+
+
+@contextlib.contextmanager
+def store_lock(uri: str):
+    """A SQLite store's first use creates its tables; two jobs of a sweep starting at once (submitit) would
+    both try, and one would fail. A lock file beside the store lets one create them."""
+    if not uri.startswith("sqlite:///"):
+        yield
+        return
+    with open(uri.removeprefix("sqlite:///") + ".lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        yield
+
+
+class MLflowTracker(Tracker):
+    """One MLflow run: the config as params, the scalars as metrics at their steps, images as artifacts.
+    The local store (no tracking_uri) is outputs/mlflow.db with artifacts under outputs/mlflow-artifacts/."""
+
+    name = "mlflow"
+
+    def __init__(self, cfg: DictConfig, run: TrackedRun):
+        super().__init__(run)
+        from mlflow.tracking import MlflowClient
+
+        self.uri = cfg.tracking_uri or f"sqlite:///{LOCAL_MLFLOW_STORE.resolve()}"
+        if not cfg.tracking_uri:
+            LOCAL_MLFLOW_STORE.parent.mkdir(parents=True, exist_ok=True)
+        # MLflow retries a server that stopped answering for minutes (7 times, 120 s each), while every rank
+        # waits for rank 0; fail fast instead, once, and go on without it (the user's own settings win)
+        os.environ.setdefault("MLFLOW_HTTP_REQUEST_MAX_RETRIES", "2")
+        os.environ.setdefault("MLFLOW_HTTP_REQUEST_TIMEOUT", "15")
+        self.client = MlflowClient(self.uri)
+        with store_lock(self.uri):
+            self._start_run(cfg, run)
+        self.add_params(run.params)
+
+    def _start_run(self, cfg: DictConfig, run: TrackedRun) -> None:
+        """Continues the run dir's MLflow run (reading the last step of each of its metrics), or starts one."""
+        self.last_steps: dict[str, int] = {}  # per metric, the last step the run has (a continued run's)
+        saved = read_state(run.run_dir).get(self.name)
+        if saved and saved["tracking_uri"] == self.uri:
+            self.run_id = saved["run_id"]
+            existing = self.client.get_run(self.run_id)
+            for key in existing.data.metrics:
+                self.last_steps[key] = max(m.step for m in self.client.get_metric_history(self.run_id, key))
+            self.client.update_run(self.run_id, status="RUNNING")
+            log.info("mlflow: continuing run %s (%s)", self.run_id, self.uri)
+        else:
+            experiment = cfg.experiment or run.sweep or "hydra-ddp"
+            tags = {"run_dir": str(run.run_dir.resolve()), "overrides": " ".join(run.overrides)}
+            if run.sweep:
+                tags["sweep"] = run.sweep
+            self.run_id = self.client.create_run(self._experiment_id(experiment),
+                                                 run_name=run.run_dir.name, tags=tags).info.run_id
+            write_state(run.run_dir, self.name, {"run_id": self.run_id, "tracking_uri": self.uri})
+            log.info("mlflow: run %s in experiment %s (%s)", self.run_id, experiment, self.uri)
+
+    def has(self, tag: str, step: int) -> bool:
+        return step <= self.last_steps.get(tag, -1)
+
+    def _experiment_id(self, name: str) -> str:
+        """The experiment, created if new (a sweep's jobs may race to create it: the loser reads it). A SQLite
+        store's artifacts go beside it, in mlflow-artifacts/ (MLflow's default is ./mlruns, wherever the launch runs)."""
+        from mlflow.exceptions import MlflowException
+
+        found = self.client.get_experiment_by_name(name)
+        if found is not None:
+            return found.experiment_id
+        store = Path(self.uri.removeprefix("sqlite:///"))
+        location = (store.parent / "mlflow-artifacts").resolve().as_uri() if self.uri.startswith("sqlite:///") else None
+        try:
+            return self.client.create_experiment(name, artifact_location=location)
+        except MlflowException:
+            return self.client.get_experiment_by_name(name).experiment_id
+
+    def add_params(self, params: dict[str, Any]) -> None:
+        """MLflow params can't change: a continued run keeps the first value, and a changed one (a resume's new
+        LR, its length) goes into a tag `changed.<key>`."""
+        from mlflow.entities import Param, RunTag
+
+        existing = self.client.get_run(self.run_id).data.params
+        new = [Param(key, str(value)[:6000]) for key, value in params.items() if key not in existing]
+        changed = [RunTag(f"changed.{key}", str(value)[:5000]) for key, value in params.items()
+                   if key in existing and existing[key] != str(value)[:6000]]
+        for start in range(0, len(new), 100):  # MLflow takes at most 100 params per batch
+            self.client.log_batch(self.run_id, params=new[start:start + 100])
+        if changed:
+            self.client.log_batch(self.run_id, tags=changed)
+
+    def send(self, points: list[tuple[str, float, int]]) -> None:
+        from mlflow.entities import Metric
+
+        now = int(time.time() * 1000)
+        metrics = [Metric(tag, value, now, step) for tag, value, step in points]
+        for start in range(0, len(metrics), 1000):
+            self.client.log_batch(self.run_id, metrics=metrics[start:start + 1000])
+
+    def add_image(self, tag: str, image, step: int) -> None:
+        self.client.log_image(self.run_id, image.permute(1, 2, 0).cpu().numpy(), artifact_file=f"{tag}/step_{step:08d}.png")
+
+    def end(self, failed: bool) -> None:
+        self.client.set_terminated(self.run_id, status="FAILED" if failed else "FINISHED")
+
+
+class WandbTracker(Tracker):
+    """One W&B run, offline without an API key: its files in <run dir>/wandb/, uploaded by `wandb sync`."""
+
+    name = "wandb"
+
+    def __init__(self, cfg: DictConfig, run: TrackedRun):
+        super().__init__(run)
+        import wandb
+
+        saved = read_state(run.run_dir).get(self.name)
+        mode = cfg.mode if cfg.mode != "auto" else ("online" if wandb_api_key_set() else "offline")
+        # W&B's steps are rows, and it drops a row at or before its last one: a continued run starts after it
+        self.last_step = saved.get("last_step", -1) if saved else -1
+        self.wandb_run = wandb.init(
+            project=cfg.project, entity=cfg.entity, mode=mode, dir=str(run.run_dir), id=saved["id"] if saved else None,
+            resume="allow", group=run.sweep, name=run.run_dir.name, config=dict(run.params),
+            tags=None, notes=" ".join(run.overrides) or None, settings=wandb.Settings(console="off", silent=True))
+        if saved and mode == "online":
+            self.last_step = max(self.last_step, self.wandb_run.starting_step - 1)
+        self.continues_after = self.last_step  # this attempt logs the steps after it
+        self._save_state()
+        log.info("wandb: %s run %s (%s)%s", mode, self.wandb_run.id, run.sweep or cfg.project,
+                 f"; upload it later with: wandb sync {run.run_dir}/wandb/offline-run-*" if mode == "offline" else "")
+
+    def has(self, tag: str, step: int) -> bool:
+        return step <= self.continues_after
+
+    def _save_state(self) -> None:
+        """The run id, and the last step W&B has: a resume offline, where W&B can't be asked, starts after it."""
+        write_state(self.run.run_dir, self.name, {"id": self.wandb_run.id, "last_step": self.last_step})
+
+    def send(self, points: list[tuple[str, float, int]]) -> None:
+        rows: dict[int, dict[str, float]] = {}
+        for tag, value, step in points:
+            rows.setdefault(step, {})[tag] = value
+        for step in sorted(rows):
+            self.wandb_run.log(rows[step], step=step)
+        self.last_step = max(self.last_step, max(rows))
+        self._save_state()
+
+    def add_image(self, tag: str, image, step: int) -> None:
+        import wandb
+
+        if not self.has(tag, step):
+            self.wandb_run.log({tag: wandb.Image(image.permute(1, 2, 0).cpu().numpy())}, step=step)
+
+    def add_params(self, params: dict[str, Any]) -> None:
+        self.wandb_run.config.update({f"hparams/{key}": value for key, value in params.items()}, allow_val_change=True)
+
+    def end(self, failed: bool) -> None:
+        self.wandb_run.finish(exit_code=1 if failed else 0)
+

@@ -1,0 +1,338 @@
+"""The logger group (ddp/reporting/trackers.py): MLflow and W&B runs, read back with their own client and
+file format, against TensorBoard's events as TensorBoard's reader gives them.
+
+One working dir holds every run of this file, so one local MLflow store (outputs/mlflow.db) holds them
+all, as it would for a user: a 2-rank torchrun run with all three loggers, killed at step 7 and restarted
+by torchrun (--max-restarts), then continued longer with resume=<run dir> by self-launched DDP; and a
+2-job sweep. `make mlflow-ui` serves that store to a real headless browser."""
+
+import json
+import os
+import struct
+import subprocess
+import sys
+import time
+import urllib.request
+from pathlib import Path
+
+import pytest
+from omegaconf import OmegaConf
+
+from conftest import REPO, TINY, TORCHRUN, TRAIN, check, config_error_in_this_process, free_port, launch, shared_run
+
+LOGGERS = "logger=[tensorboard,mlflow,wandb]"
+# 2 ranks x 8 steps per epoch; every step logged; checkpoints every 5 steps.
+RUN = ["strategy=ddp", *TINY, "trainer.log_every_n_steps=1", "checkpoint.every_n_steps=5", "checkpoint.keep_best=0", LOGGERS]
+KILLED_AT, SAVED_AT, FIRST_STEPS, RESUMED_STEPS = 7, 5, 16, 24
+SWEEP = ["-m", *[a for a in TINY if not a.startswith(("data.batch_size", "trainer.max_epochs"))], "trainer.max_epochs=1",
+         "logger=[tensorboard,mlflow]", "data.batch_size=8,16"]
+# Scalars that time the run: an attempt that repeats a step measures them anew.
+TIMINGS = ("train/samples_per_s", "train/samples_per_s_per_rank", "train/epoch_time_s", "perf/")
+BROWSER, DRIVER = Path("/usr/bin/chromium"), Path("/usr/bin/chromedriver")
+
+
+def _offline_env() -> dict:
+    """No W&B key (the tests' machines have none, nor a network): W&B runs offline, as where it was never set up."""
+    assert "WANDB_API_KEY" not in os.environ and "WANDB_MODE" not in os.environ
+    return {}
+
+
+def _runs_of_this_file(cwd: Path) -> dict:
+    """The killed-and-restarted torchrun run, then resume=<run dir> with one more epoch, then the sweep."""
+    command = [str(TORCHRUN), "--nproc_per_node=2", "--max-restarts=1", str(TRAIN), *RUN, "fault.kill_rank=1",
+               f"fault.at_step={KILLED_AT}"]
+    env = {k: v for k, v in os.environ.items() if k not in ("RANK", "LOCAL_RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")}
+    env |= {"PYTHONUNBUFFERED": "1", "TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1"} | _offline_env()
+    restarted = subprocess.run(command, cwd=cwd, env=env, capture_output=True, text=True, timeout=300)
+    check(restarted)
+    (run_dir,) = [p for p in (cwd / "outputs").iterdir() if (p / "train_rank0.log").exists()]
+    resumed = launch([*RUN, "strategy.nproc_per_node=2", f"resume={run_dir}", "trainer.max_epochs=3"], cwd, env=_offline_env())
+    check(resumed)
+    swept = launch(SWEEP, cwd)
+    check(swept)
+    (sweep_dir,) = (cwd / "outputs" / "multirun").iterdir()
+    return {"run_dir": str(run_dir), "sweep_dir": str(sweep_dir), "restarted_stderr": restarted.stderr}
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory) -> dict:
+    cwd, result = shared_run("tracker_runs", _runs_of_this_file, tmp_path_factory)
+    return {"cwd": cwd, "run_dir": Path(result["run_dir"]), "sweep_dir": Path(result["sweep_dir"]),
+            "restarted_stderr": result["restarted_stderr"]}
+
+
+def _client(cwd: Path):
+    from mlflow.tracking import MlflowClient
+
+    return MlflowClient(f"sqlite:///{cwd / 'outputs' / 'mlflow.db'}")
+
+
+def _mlflow_runs(cwd: Path) -> list:
+    client = _client(cwd)
+    return client.search_runs([e.experiment_id for e in client.search_experiments()])
+
+
+def tensorboard_scalars(run_dir: Path) -> dict[str, dict[int, float]]:
+    """{tag: {step: value}} as TensorBoard shows the run dir (every attempt's event files, purges applied)."""
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    events = EventAccumulator(str(run_dir), size_guidance={"scalars": 0})
+    events.Reload()
+    return {tag: {event.step: event.value for event in events.Scalars(tag)} for tag in events.Tags()["scalars"]}
+
+
+def _float32(value: float) -> float:
+    return struct.unpack("f", struct.pack("f", value))[0]  # TensorBoard keeps float32
+
+
+def _replayed(tag: str, step: int) -> bool:
+    """A timing that the restarted attempt measured again for a step the MLflow run already had."""
+    return tag.startswith(TIMINGS) and SAVED_AT < step <= KILLED_AT
+
+
+# --- MLflow ------------------------------------------------------------------------------------
+
+def test_a_torchrun_run_restarted_and_resumed_is_one_mlflow_run_with_tensorboards_scalars(runs):
+    """2 ranks, a kill and torchrun's restart, then resume=<run dir>: one MLflow run, whose metric history has
+    every step once and equals TensorBoard's scalars step for step (a repeated step's timing excepted)."""
+    (run,) = [r for r in _mlflow_runs(runs["cwd"]) if r.data.tags.get("run_dir") == str(runs["run_dir"].resolve())]
+    assert [r.info.run_name for r in _mlflow_runs(runs["cwd"])].count(runs["run_dir"].name) == 1
+    assert run.info.status == "FINISHED"
+    client = _client(runs["cwd"])
+    tensorboard = tensorboard_scalars(runs["run_dir"])
+    assert set(run.data.metrics) == set(tensorboard)
+    for tag, by_step in tensorboard.items():
+        history = client.get_metric_history(run.info.run_id, tag)
+        steps = [m.step for m in history]
+        assert len(steps) == len(set(steps)), f"{tag}: a step logged twice: {sorted(steps)}"
+        mlflow_values = {m.step: m.value for m in history}
+        assert mlflow_values.keys() == by_step.keys(), tag
+        different = {step: (mlflow_values[step], value) for step, value in by_step.items()
+                     if _float32(mlflow_values[step]) != value and not _replayed(tag, step)}
+        assert not different, f"{tag}: {different}"
+    assert sorted(tensorboard["train/loss"]) == list(range(1, RESUMED_STEPS + 1))
+    assert "exitcode: -9" in runs["restarted_stderr"]  # rank 1 was killed, and torchrun restarted both
+
+
+def test_the_mlflow_run_holds_the_config_and_hparams(runs):
+    (run,) = [r for r in _mlflow_runs(runs["cwd"]) if r.data.tags.get("run_dir") == str(runs["run_dir"].resolve())]
+    params = run.data.params
+    config = OmegaConf.load(runs["run_dir"] / ".hydra" / "config.yaml")
+    assert params["optim.lr"] == str(config.optim.lr) and params["strategy.name"] == "ddp"
+    assert params["model.channels"] == "[8, 16]" and params["data.batch_size"] == "8"
+    assert params["world_size"] == "2" and params["global_batch_size"] == "16"  # the HParams row's
+    # the resume changed its length: MLflow keeps a param's first value, the new one is a tag
+    assert params["trainer.max_epochs"] == "2" and run.data.tags["changed.trainer.max_epochs"] == "3"
+    assert "hparam/val_accuracy" in run.data.metrics
+
+
+def test_a_sweep_is_one_mlflow_experiment_of_one_run_per_job_with_its_overrides(runs):
+    client = _client(runs["cwd"])
+    sweep = str(runs["sweep_dir"].relative_to(runs["cwd"]))
+    experiment = client.get_experiment_by_name(sweep)
+    assert experiment is not None, [e.name for e in client.search_experiments()]
+    jobs = client.search_runs([experiment.experiment_id])
+    assert sorted(r.data.params["data.batch_size"] for r in jobs) == ["16", "8"]
+    for job in jobs:  # its command line's overrides, the swept value among them
+        assert job.data.tags["overrides"].split() == [*SWEEP[1:-1], f"data.batch_size={job.data.params['data.batch_size']}"]
+    assert {r.data.tags["sweep"] for r in jobs} == {sweep}
+    assert all(r.info.status == "FINISHED" and "val/accuracy" in r.data.metrics for r in jobs)
+
+
+# --- W&B, offline ----------------------------------------------------------------------------------
+
+def wandb_records(path: Path) -> list:
+    """The records of a .wandb file (W&B's own protobuf Records, in its LevelDB-style log: a 7-byte
+    header, then 32 KiB blocks of chunks: crc32 (4), length (2, little-endian), type (1: full, 2: first,
+    3: middle, 4: last))."""
+    from wandb.proto import wandb_internal_pb2
+
+    data, block, records, chunks, offset = path.read_bytes(), 32768, [], b"", 7
+    assert data[:4] == b":W&B", path
+    while offset + 7 <= len(data):
+        if block - offset % block < 7:  # a block's tail too short for a header is padding
+            offset += block - offset % block
+            continue
+        length, kind = struct.unpack("<HB", data[offset + 4:offset + 7])
+        if kind == 0:
+            break
+        chunks += data[offset + 7:offset + 7 + length]
+        offset += 7 + length
+        if kind in (1, 4):
+            record = wandb_internal_pb2.Record()
+            record.ParseFromString(chunks)
+            records.append(record)
+            chunks = b""
+    return records
+
+
+def wandb_history(run_dir: Path) -> tuple[set[str], dict[str, dict[int, float]], list[int]]:
+    """From every .wandb file of the run dir: the run ids, {key: {step: value}}, and every step logged."""
+    ids, history, steps = set(), {}, []
+    for path in sorted(run_dir.glob("wandb/offline-run-*/run-*.wandb")):
+        for record in wandb_records(path):
+            kind = record.WhichOneof("record_type")
+            if kind == "run":
+                ids.add(record.run.run_id)
+            elif kind == "history":
+                items = {item.key or "/".join(item.nested_key): json.loads(item.value_json) for item in record.history.item}
+                steps.append(items["_step"])
+                for key, value in items.items():
+                    if not key.startswith("_"):
+                        history.setdefault(key, {})[items["_step"]] = value
+    return ids, history, steps
+
+
+def test_wandb_ran_offline_as_one_run_continued_by_the_restart_and_the_resume(runs):
+    run_dir = runs["run_dir"]
+    attempts = sorted(run_dir.glob("wandb/offline-run-*"))
+    assert len(attempts) == 3, attempts  # the first attempt, torchrun's restart, resume=<run dir>
+    ids, history, steps = wandb_history(run_dir)
+    assert ids == {json.loads((run_dir / "trackers.json").read_text())["wandb"]["id"]}
+    assert len(steps) == len(set(steps)), f"a step logged twice: {steps}"
+    tensorboard = tensorboard_scalars(run_dir)
+    assert sorted(history["train/loss"]) == list(range(1, RESUMED_STEPS + 1))
+    assert history.keys() == tensorboard.keys()
+    for tag, by_step in tensorboard.items():
+        assert history[tag].keys() == by_step.keys(), tag
+        different = {step: (history[tag][step], value) for step, value in by_step.items()
+                     if _float32(history[tag][step]) != value and not _replayed(tag, step)}
+        assert not different, f"{tag}: {different}"
+
+
+# --- make mlflow-ui, in a real browser --------------------------------------------------------------
+
+def test_make_mlflow_ui_serves_the_store_and_its_page_lists_the_runs(runs):
+    """CI installs chromium and its driver (.ci/run); without them this fails, naming the install."""
+    assert BROWSER.exists() and DRIVER.exists(), "install a browser: apt-get install -y chromium chromium-driver"
+    from selenium import webdriver
+    from selenium.webdriver.chrome.service import Service
+    from selenium.webdriver.support.ui import WebDriverWait
+
+    port = free_port()
+    store = runs["cwd"] / "outputs" / "mlflow.db"
+    server_log = runs["cwd"] / f"mlflow-ui-{port}.log"
+    with open(server_log, "w") as output:
+        server = subprocess.Popen(["make", "--no-print-directory", "-C", str(REPO), "mlflow-ui", f"MLFLOW_STORE={store}",
+                                   f"MLFLOW_PORT={port}"], stdout=output, stderr=subprocess.STDOUT, start_new_session=True)
+    options = webdriver.ChromeOptions()
+    options.binary_location = str(BROWSER)
+    for flag in ("--headless", "--no-sandbox", "--disable-gpu", "--disable-quic", "--no-first-run",
+                 "--disable-background-networking", "--disable-component-update", "--disable-sync",
+                 f"--user-data-dir={runs['cwd'] / 'browser-profile'}"):
+        options.add_argument(flag)
+    browser = None
+    try:
+        url, deadline = f"http://127.0.0.1:{port}", time.monotonic() + 90
+        while True:
+            try:
+                urllib.request.urlopen(url + "/health", timeout=2)
+                break
+            except OSError:
+                assert server.poll() is None and time.monotonic() < deadline, server_log.read_text()[-3000:]
+                time.sleep(0.2)
+        browser = webdriver.Chrome(service=Service(str(DRIVER)), options=options)
+        client = _client(runs["cwd"])
+        for experiment in ("hydra-ddp", str(runs["sweep_dir"].relative_to(runs["cwd"]))):  # a run's, the sweep's
+            experiment_id = client.get_experiment_by_name(experiment).experiment_id
+            names = [run.info.run_name for run in client.search_runs([experiment_id])]
+            browser.get(f"{url}/#/experiments/{experiment_id}/runs")  # the experiment's table of training runs
+            WebDriverWait(browser, 60).until(lambda b: all(name in b.find_element("tag name", "body").text for name in names))
+            assert names and (runs["run_dir"].name in names if experiment == "hydra-ddp" else len(names) == 2)
+    finally:
+        if browser is not None:
+            browser.quit()
+        os.killpg(server.pid, 15)
+        server.wait(timeout=30)
+
+
+# --- bad settings: one line each, before anything starts ------------------------------------------------
+
+def test_an_unreachable_mlflow_server_is_one_line_before_anything_starts(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    uri = f"http://127.0.0.1:{free_port()}"
+    line = config_error_in_this_process([*TINY, "logger=mlflow", f"logger.mlflow.tracking_uri={uri}"], tmp_path / "run")
+    assert line.startswith(f"logger.mlflow.tracking_uri={uri}: the server can't be reached"), line
+
+
+@pytest.mark.parametrize("setting, expected", [
+    ("logger.mlflow.tracking_uri=localhost:5000", "logger.mlflow.tracking_uri=localhost:5000: not a tracking URI"),
+    ("logger.wandb.mode=sometimes", "logger.wandb.mode=sometimes: unknown, use one of auto, online, offline"),
+])
+def test_bad_tracker_settings_are_one_line(tmp_path, monkeypatch, setting, expected):
+    monkeypatch.chdir(tmp_path)
+    line = config_error_in_this_process([*TINY, "logger=[mlflow,wandb]", setting], tmp_path / "run")
+    assert line.startswith(expected), line
+
+
+def test_wandb_online_without_a_key_is_one_line(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setenv("HOME", str(tmp_path))  # no ~/.netrc
+    monkeypatch.delenv("WANDB_API_KEY", raising=False)
+    line = config_error_in_this_process([*TINY, "logger=wandb", "logger.wandb.mode=online"], tmp_path / "run")
+    assert line.startswith("logger.wandb.mode=online: no W&B API key"), line
+
+
+def test_unknown_logger_options_and_keys_are_named_by_hydra(tmp_path):
+    from hydra import compose, initialize_config_dir
+    from hydra.errors import ConfigCompositionException, MissingConfigException
+
+    with initialize_config_dir(config_dir=str(REPO / "conf"), version_base="1.3"):
+        with pytest.raises(MissingConfigException, match="logger/neptune"):
+            compose("config", overrides=["logger=[tensorboard,neptune]"])
+        with pytest.raises(ConfigCompositionException, match="logger.mlflow.experimnet"):
+            compose("config", overrides=["logger=mlflow", "logger.mlflow.experimnet=x"])
+
+
+def test_a_missing_extra_is_one_line_naming_the_install_command(tmp_path):
+    """train.py in a Python environment without mlflow: the site-packages minus mlflow's, linked."""
+    import site
+
+    (site_packages,) = [Path(p) for p in site.getsitepackages() if Path(p, "torch").exists()]
+    without = tmp_path / "site-packages"
+    without.mkdir()
+    for entry in site_packages.iterdir():
+        if not entry.name.lower().startswith("mlflow"):
+            (without / entry.name).symlink_to(entry)
+    env = {"PYTHONPATH": f"{REPO}{os.pathsep}{without}"}
+    result = subprocess.run([sys.executable, "-S", str(TRAIN), *TINY, "logger=[tensorboard,mlflow]"], cwd=tmp_path,
+                            env={k: v for k, v in os.environ.items() if k != "PYTHONPATH"} | env,
+                            capture_output=True, text=True, timeout=120)
+    assert result.returncode == 1, result.stdout + result.stderr
+    lines = [line for line in (result.stdout + result.stderr).splitlines() if "mlflow" in line]
+    assert lines == ["error: logger=mlflow: mlflow is not installed; install it with: pip install -e '.[mlflow]'"], lines
+    assert not (tmp_path / "outputs" / "mlflow.db").exists()
+
+
+# --- images ----------------------------------------------------------------------------------------------
+
+def test_segmentations_image_grid_goes_to_mlflow_and_wandb(runs, tmp_path):
+    """task=segmentation's validation grid (the writer's add_image): an MLflow artifact and a W&B image, at its step."""
+    import torch
+
+    from data.shapes import build_shapes
+    from ddp.distributed.env import DistEnv
+    from ddp.reporting.rank_zero import RankZeroWriter
+    from ddp.reporting.trackers import TrackedRun, open_trackers
+    from models.segmentation import small_segnet
+    from tasks.segmentation import SegmentationTask
+
+    splits = build_shapes(num_samples=8, num_val_samples=6, image_size=20, num_classes=4, data_seed=0)
+    task = SegmentationTask(4, splits.class_names, num_images_logged=4)
+    store = runs["cwd"] / "outputs" / "mlflow.db"
+    logger = OmegaConf.create({"mlflow": {"tracking_uri": f"sqlite:///{store}", "experiment": "images"},
+                               "wandb": {"project": "images", "entity": None, "mode": "offline"}})
+    trackers = open_trackers(logger, TrackedRun(tmp_path, {}, None, []))
+    assert [tracker.name for tracker in trackers] == ["mlflow", "wandb"]
+    with RankZeroWriter(tmp_path, DistEnv(rank=0, world_size=1), tensorboard=False, trackers=trackers) as writer:
+        task.log_validation(writer, small_segnet(4, 3, width=4).eval(), splits.val, torch.device("cpu"), step=7)
+    run_id = json.loads((tmp_path / "trackers.json").read_text())["mlflow"]["run_id"]
+    assert [a.path for a in _client(runs["cwd"]).list_artifacts(run_id, "val/images")] == ["val/images/step_00000007.png"]
+    assert list((runs["cwd"] / "outputs" / "mlflow-artifacts").glob(f"{run_id}/artifacts/val/images/step_00000007.png"))
+    (history,) = [record.history for path in tmp_path.glob("wandb/offline-run-*/run-*.wandb") for record in wandb_records(path)
+                  if record.WhichOneof("record_type") == "history"]
+    step = [json.loads(item.value_json) for item in history.item if list(item.nested_key) == ["_step"]]
+    image = {item.nested_key[1]: json.loads(item.value_json) for item in history.item if item.nested_key[0] == "val/images"}
+    assert step == [7] and image["_type"] == "image-file" and (image["width"], image["height"]) == (68, 90)
+    (attempt,) = tmp_path.glob("wandb/offline-run-*")
+    assert (attempt / "files" / image["path"]).stat().st_size == image["size"]
