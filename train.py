@@ -242,7 +242,7 @@ def main(cfg: DictConfig) -> float:
     except BaseException as error:
         raise end_failed_job(error, hydra_cfg, cfg, env)  # or exits
     if env.is_main:
-        log_results(results, run_dir, cfg.mode)
+        log_results(results, run_dir, cfg.mode, cfg.logger)
     return results[objective_key(cfg.task.objective, cfg.trainer.objective, cfg.checkpoint.best_of, cfg.mode, cfg.data.split)]
 
 

@@ -21,6 +21,11 @@ def quiet_console_on_other_ranks(env: DistEnv) -> None:
             handler.setLevel(logging.WARNING)
 
 
+def one_line(error: BaseException, limit: int = 300) -> str:
+    """An error's message as one line of at most `limit` characters (its type's name if it has none)."""
+    return ("; ".join(line.strip() for line in str(error).strip().splitlines()) or type(error).__name__)[:limit]
+
+
 class RankZeroWriter:
     """On rank 0, a TensorBoard SummaryWriter (unless `tensorboard` is off) and the `trackers` the logger
     group picked, each call fanned out to all of them; a no-op elsewhere, so other ranks write no event
@@ -52,9 +57,8 @@ class RankZeroWriter:
                 getattr(tracker, call)(*args)
             except Exception as error:  # the tracker's own failure (a server gone): never the run's
                 self.trackers.remove(tracker)
-                reason = "; ".join(line.strip() for line in str(error).strip().splitlines()) or type(error).__name__
                 log.warning("logger=%s failed (%s): it logs nothing more; the run and its files go on", tracker.name,
-                            reason[:300])
+                            one_line(error))
 
     def add_scalar(self, tag: str, value: float, step: int) -> None:
         if self.writer is not None:

@@ -7,6 +7,7 @@ from omegaconf import DictConfig
 
 from ddp.distributed.env import DistEnv
 from ddp.reporting.rank_zero import write_json
+from ddp.reporting.trackers import where_to_look
 from ddp.run_context import RunContext
 from ddp.training.progress import Position
 
@@ -55,12 +56,13 @@ def write_results(results: dict, run_dir: Path, env: DistEnv) -> None:
         write_json(results, run_dir / "results.json")
 
 
-def log_results(results: dict, run_dir: Path, mode: str) -> None:
-    """The console's last lines (rank 0)."""
+def log_results(results: dict, run_dir: Path, mode: str, logger_cfg: DictConfig) -> None:
+    """The console's last lines (rank 0): the run dir, its results, and where each logger shows it."""
     log.info("run dir: %s", run_dir)
     log.info("results: %s", {k: round(v, 4) if isinstance(v, float) else v for k, v in results.items()})
     if mode == "train":
-        log.info("tensorboard: tensorboard --logdir %s  (or: make tensorboard)", run_dir)
+        for line in where_to_look(logger_cfg, run_dir):
+            log.info("%s", line)
 
 
 def log_hparams(writer, cfg: DictConfig, length, lr: float, world_size: int, metrics: dict[str, float], step: int) -> None:

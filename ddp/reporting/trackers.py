@@ -28,6 +28,7 @@ from typing import Any
 from omegaconf import DictConfig, OmegaConf
 
 from ddp.config.schema import ConfigError
+from ddp.reporting.rank_zero import one_line, write_json
 
 log = logging.getLogger("train")
 
@@ -139,9 +140,23 @@ def read_state(run_dir: Path) -> dict[str, Any]:
 
 
 def write_state(run_dir: Path, name: str, state: dict[str, Any]) -> None:
-    from ddp.reporting.rank_zero import write_json
-
     write_json(read_state(run_dir) | {name: state}, run_dir / STATE_FILE)
+
+
+def where_to_look(logger_cfg: DictConfig, run_dir: Path) -> list[str]:
+    """The console's last lines: where each picked logger keeps the run, and the command that shows it."""
+    lines, state = [], read_state(run_dir)
+    if logger_cfg.tensorboard is not None:
+        lines.append(f"tensorboard: tensorboard --logdir {run_dir}  (or: make tensorboard)")
+    if "mlflow" in state:
+        uri = state["mlflow"]["tracking_uri"]
+        shown = "make mlflow-ui" if uri == f"sqlite:///{LOCAL_MLFLOW_STORE.resolve()}" else uri
+        lines.append(f"mlflow: run {state['mlflow']['run_id']} in {shown}")
+    if "wandb" in state:
+        offline = sorted(run_dir.glob("wandb/offline-run-*"))
+        lines.append(f"wandb: run {state['wandb']['id']}" + (f"; upload it with: wandb sync {run_dir}/wandb/offline-run-*"
+                                                             if offline else ""))
+    return lines
 
 
 def open_trackers(logger_cfg: DictConfig, run: TrackedRun) -> list:
@@ -153,8 +168,7 @@ def open_trackers(logger_cfg: DictConfig, run: TrackedRun) -> list:
             try:
                 trackers.append(kinds[name](logger_cfg[name], run))
             except Exception as error:
-                reason = "; ".join(line.strip() for line in str(error).strip().splitlines()) or type(error).__name__
-                log.warning("logger=%s failed to start (%s): the run goes on without it", name, reason[:300])
+                log.warning("logger=%s failed to start (%s): the run goes on without it", name, one_line(error))
     return trackers
 
 
@@ -230,6 +244,7 @@ class MLflowTracker(Tracker):
         # waits for rank 0; fail fast instead, once, and go on without it (the user's own settings win)
         os.environ.setdefault("MLFLOW_HTTP_REQUEST_MAX_RETRIES", "2")
         os.environ.setdefault("MLFLOW_HTTP_REQUEST_TIMEOUT", "15")
+        logging.getLogger("urllib3.connectionpool").setLevel(logging.ERROR)  # its retries' warnings: the failure is our one line
         self.client = MlflowClient(self.uri)
         with store_lock(self.uri):
             self._start_run(cfg, run)
