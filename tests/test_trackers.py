@@ -6,9 +6,10 @@ all, as it would for a user: a 2-rank torchrun run with all three loggers, kille
 by torchrun (--max-restarts), then continued longer with resume=<run dir> by self-launched DDP; and a
 2-job sweep. `make mlflow-ui` serves that store to a real headless browser."""
 
+import contextlib
 import json
 import os
-import struct
+import signal
 import subprocess
 import sys
 import time
@@ -19,13 +20,14 @@ import pytest
 from omegaconf import OmegaConf
 
 from conftest import REPO, TINY, TORCHRUN, TRAIN, check, config_error_in_this_process, free_port, launch, shared_run
+from tracker_records import float32, mlflow_client, mlflow_runs, mlflow_runs_of, tensorboard_scalars, wandb_history, wandb_records
 
 LOGGERS = "logger=[tensorboard,mlflow,wandb]"
 # 2 ranks x 8 steps per epoch; every step logged; checkpoints every 5 steps.
 RUN = ["strategy=ddp", *TINY, "trainer.log_every_n_steps=1", "checkpoint.every_n_steps=5", "checkpoint.keep_best=0", LOGGERS]
 KILLED_AT, SAVED_AT, FIRST_STEPS, RESUMED_STEPS = 7, 5, 16, 24
 SWEEP = ["-m", *[a for a in TINY if not a.startswith(("data.batch_size", "trainer.max_epochs"))], "trainer.max_epochs=1",
-         "logger=[tensorboard,mlflow]", "data.batch_size=8,16"]
+         "logger=mlflow", "data.batch_size=8,16"]
 # Scalars that time the run: an attempt that repeats a step measures them anew.
 TIMINGS = ("train/samples_per_s", "train/samples_per_s_per_rank", "train/epoch_time_s", "perf/")
 BROWSER, DRIVER = Path("/usr/bin/chromium"), Path("/usr/bin/chromedriver")
@@ -51,38 +53,22 @@ def _runs_of_this_file(cwd: Path) -> dict:
     swept = launch(SWEEP, cwd)
     check(swept)
     (sweep_dir,) = (cwd / "outputs" / "multirun").iterdir()
-    return {"run_dir": str(run_dir), "sweep_dir": str(sweep_dir), "restarted_stderr": restarted.stderr}
+    return {"run_dir": str(run_dir), "sweep_dir": str(sweep_dir), "restarted_stderr": restarted.stderr,
+            "resumed_output": resumed.stdout + resumed.stderr, "swept_output": swept.stdout + swept.stderr}
 
 
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory) -> dict:
     cwd, result = shared_run("tracker_runs", _runs_of_this_file, tmp_path_factory)
-    return {"cwd": cwd, "run_dir": Path(result["run_dir"]), "sweep_dir": Path(result["sweep_dir"]),
-            "restarted_stderr": result["restarted_stderr"]}
+    return result | {"cwd": cwd, "run_dir": Path(result["run_dir"]), "sweep_dir": Path(result["sweep_dir"])}
 
 
 def _client(cwd: Path):
-    from mlflow.tracking import MlflowClient
-
-    return MlflowClient(f"sqlite:///{cwd / 'outputs' / 'mlflow.db'}")
+    return mlflow_client(cwd / "outputs" / "mlflow.db")
 
 
 def _mlflow_runs(cwd: Path) -> list:
-    client = _client(cwd)
-    return client.search_runs([e.experiment_id for e in client.search_experiments()])
-
-
-def tensorboard_scalars(run_dir: Path) -> dict[str, dict[int, float]]:
-    """{tag: {step: value}} as TensorBoard shows the run dir (every attempt's event files, purges applied)."""
-    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
-
-    events = EventAccumulator(str(run_dir), size_guidance={"scalars": 0})
-    events.Reload()
-    return {tag: {event.step: event.value for event in events.Scalars(tag)} for tag in events.Tags()["scalars"]}
-
-
-def _float32(value: float) -> float:
-    return struct.unpack("f", struct.pack("f", value))[0]  # TensorBoard keeps float32
+    return mlflow_runs(cwd / "outputs" / "mlflow.db")
 
 
 def _replayed(tag: str, step: int) -> bool:
@@ -95,7 +81,7 @@ def _replayed(tag: str, step: int) -> bool:
 def test_a_torchrun_run_restarted_and_resumed_is_one_mlflow_run_with_tensorboards_scalars(runs):
     """2 ranks, a kill and torchrun's restart, then resume=<run dir>: one MLflow run, whose metric history has
     every step once and equals TensorBoard's scalars step for step (a repeated step's timing excepted)."""
-    (run,) = [r for r in _mlflow_runs(runs["cwd"]) if r.data.tags.get("run_dir") == str(runs["run_dir"].resolve())]
+    (run,) = mlflow_runs_of(runs["cwd"] / "outputs" / "mlflow.db", runs["run_dir"])
     assert [r.info.run_name for r in _mlflow_runs(runs["cwd"])].count(runs["run_dir"].name) == 1
     assert run.info.status == "FINISHED"
     client = _client(runs["cwd"])
@@ -108,14 +94,14 @@ def test_a_torchrun_run_restarted_and_resumed_is_one_mlflow_run_with_tensorboard
         mlflow_values = {m.step: m.value for m in history}
         assert mlflow_values.keys() == by_step.keys(), tag
         different = {step: (mlflow_values[step], value) for step, value in by_step.items()
-                     if _float32(mlflow_values[step]) != value and not _replayed(tag, step)}
+                     if float32(mlflow_values[step]) != value and not _replayed(tag, step)}
         assert not different, f"{tag}: {different}"
     assert sorted(tensorboard["train/loss"]) == list(range(1, RESUMED_STEPS + 1))
     assert "exitcode: -9" in runs["restarted_stderr"]  # rank 1 was killed, and torchrun restarted both
 
 
 def test_the_mlflow_run_holds_the_config_and_hparams(runs):
-    (run,) = [r for r in _mlflow_runs(runs["cwd"]) if r.data.tags.get("run_dir") == str(runs["run_dir"].resolve())]
+    (run,) = mlflow_runs_of(runs["cwd"] / "outputs" / "mlflow.db", runs["run_dir"])
     params = run.data.params
     config = OmegaConf.load(runs["run_dir"] / ".hydra" / "config.yaml")
     assert params["optim.lr"] == str(config.optim.lr) and params["strategy.name"] == "ddp"
@@ -139,49 +125,19 @@ def test_a_sweep_is_one_mlflow_experiment_of_one_run_per_job_with_its_overrides(
     assert all(r.info.status == "FINISHED" and "val/accuracy" in r.data.metrics for r in jobs)
 
 
+def test_the_consoles_last_lines_say_where_each_picked_logger_keeps_the_run(runs):
+    """The resumed run picked all three loggers; the sweep's jobs MLflow alone: no TensorBoard line, nor event file."""
+    run_dir, state = runs["run_dir"], json.loads((runs["run_dir"] / "trackers.json").read_text())
+    lines = [line.split("[INFO] ", 1)[1] for line in runs["resumed_output"].splitlines() if "[train][INFO]" in line]
+    assert lines[-3:] == [f"tensorboard: tensorboard --logdir {run_dir}  (or: make tensorboard)",
+                          f"mlflow: run {state['mlflow']['run_id']} in make mlflow-ui",
+                          f"wandb: run {state['wandb']['id']}; upload it with: wandb sync {run_dir}/wandb/offline-run-*"]
+    swept = runs["swept_output"]
+    assert swept.count("in make mlflow-ui") == 2 and "tensorboard --logdir" not in swept, swept[-3000:]
+    assert not list(runs["sweep_dir"].rglob("events.out.tfevents.*"))
+
+
 # --- W&B, offline ----------------------------------------------------------------------------------
-
-def wandb_records(path: Path) -> list:
-    """The records of a .wandb file (W&B's own protobuf Records, in its LevelDB-style log: a 7-byte
-    header, then 32 KiB blocks of chunks: crc32 (4), length (2, little-endian), type (1: full, 2: first,
-    3: middle, 4: last))."""
-    from wandb.proto import wandb_internal_pb2
-
-    data, block, records, chunks, offset = path.read_bytes(), 32768, [], b"", 7
-    assert data[:4] == b":W&B", path
-    while offset + 7 <= len(data):
-        if block - offset % block < 7:  # a block's tail too short for a header is padding
-            offset += block - offset % block
-            continue
-        length, kind = struct.unpack("<HB", data[offset + 4:offset + 7])
-        if kind == 0:
-            break
-        chunks += data[offset + 7:offset + 7 + length]
-        offset += 7 + length
-        if kind in (1, 4):
-            record = wandb_internal_pb2.Record()
-            record.ParseFromString(chunks)
-            records.append(record)
-            chunks = b""
-    return records
-
-
-def wandb_history(run_dir: Path) -> tuple[set[str], dict[str, dict[int, float]], list[int]]:
-    """From every .wandb file of the run dir: the run ids, {key: {step: value}}, and every step logged."""
-    ids, history, steps = set(), {}, []
-    for path in sorted(run_dir.glob("wandb/offline-run-*/run-*.wandb")):
-        for record in wandb_records(path):
-            kind = record.WhichOneof("record_type")
-            if kind == "run":
-                ids.add(record.run.run_id)
-            elif kind == "history":
-                items = {item.key or "/".join(item.nested_key): json.loads(item.value_json) for item in record.history.item}
-                steps.append(items["_step"])
-                for key, value in items.items():
-                    if not key.startswith("_"):
-                        history.setdefault(key, {})[items["_step"]] = value
-    return ids, history, steps
-
 
 def test_wandb_ran_offline_as_one_run_continued_by_the_restart_and_the_resume(runs):
     run_dir = runs["run_dir"]
@@ -196,11 +152,32 @@ def test_wandb_ran_offline_as_one_run_continued_by_the_restart_and_the_resume(ru
     for tag, by_step in tensorboard.items():
         assert history[tag].keys() == by_step.keys(), tag
         different = {step: (history[tag][step], value) for step, value in by_step.items()
-                     if _float32(history[tag][step]) != value and not _replayed(tag, step)}
+                     if float32(history[tag][step]) != value and not _replayed(tag, step)}
         assert not different, f"{tag}: {different}"
 
 
 # --- make mlflow-ui, in a real browser --------------------------------------------------------------
+
+@contextlib.contextmanager
+def mlflow_server(command: list[str], port: int, log: Path):
+    """An MLflow server started by `command` (in a session of its own), once its /health answers: its URL.
+    Stopped, with every process it started, at the end."""
+    with open(log, "w") as output:
+        server = subprocess.Popen(command, stdout=output, stderr=subprocess.STDOUT, start_new_session=True)
+    url, deadline = f"http://127.0.0.1:{port}", time.monotonic() + 90
+    try:
+        while True:
+            try:
+                urllib.request.urlopen(url + "/health", timeout=2)
+                break
+            except OSError:
+                assert server.poll() is None and time.monotonic() < deadline, log.read_text()[-3000:]
+                time.sleep(0.2)
+        yield url
+    finally:
+        os.killpg(server.pid, signal.SIGTERM)
+        server.wait(timeout=30)
+
 
 def test_make_mlflow_ui_serves_the_store_and_its_page_lists_the_runs(runs):
     """CI installs chromium and its driver (.ci/run); without them this fails, naming the install."""
@@ -211,39 +188,60 @@ def test_make_mlflow_ui_serves_the_store_and_its_page_lists_the_runs(runs):
 
     port = free_port()
     store = runs["cwd"] / "outputs" / "mlflow.db"
-    server_log = runs["cwd"] / f"mlflow-ui-{port}.log"
-    with open(server_log, "w") as output:
-        server = subprocess.Popen(["make", "--no-print-directory", "-C", str(REPO), "mlflow-ui", f"MLFLOW_STORE={store}",
-                                   f"MLFLOW_PORT={port}"], stdout=output, stderr=subprocess.STDOUT, start_new_session=True)
+    make_mlflow_ui = ["make", "--no-print-directory", "-C", str(REPO), "mlflow-ui", f"MLFLOW_STORE={store}", f"MLFLOW_PORT={port}"]
     options = webdriver.ChromeOptions()
     options.binary_location = str(BROWSER)
     for flag in ("--headless", "--no-sandbox", "--disable-gpu", "--disable-quic", "--no-first-run",
                  "--disable-background-networking", "--disable-component-update", "--disable-sync",
                  f"--user-data-dir={runs['cwd'] / 'browser-profile'}"):
         options.add_argument(flag)
-    browser = None
-    try:
-        url, deadline = f"http://127.0.0.1:{port}", time.monotonic() + 90
-        while True:
-            try:
-                urllib.request.urlopen(url + "/health", timeout=2)
-                break
-            except OSError:
-                assert server.poll() is None and time.monotonic() < deadline, server_log.read_text()[-3000:]
-                time.sleep(0.2)
+    with mlflow_server(make_mlflow_ui, port, runs["cwd"] / f"mlflow-ui-{port}.log") as url:
         browser = webdriver.Chrome(service=Service(str(DRIVER)), options=options)
-        client = _client(runs["cwd"])
-        for experiment in ("hydra-ddp", str(runs["sweep_dir"].relative_to(runs["cwd"]))):  # a run's, the sweep's
-            experiment_id = client.get_experiment_by_name(experiment).experiment_id
-            names = [run.info.run_name for run in client.search_runs([experiment_id])]
-            browser.get(f"{url}/#/experiments/{experiment_id}/runs")  # the experiment's table of training runs
-            WebDriverWait(browser, 60).until(lambda b: all(name in b.find_element("tag name", "body").text for name in names))
-            assert names and (runs["run_dir"].name in names if experiment == "hydra-ddp" else len(names) == 2)
-    finally:
-        if browser is not None:
+        try:
+            client = _client(runs["cwd"])
+            for experiment in ("hydra-ddp", str(runs["sweep_dir"].relative_to(runs["cwd"]))):  # a run's, the sweep's
+                experiment_id = client.get_experiment_by_name(experiment).experiment_id
+                names = [run.info.run_name for run in client.search_runs([experiment_id])]
+                browser.get(f"{url}/#/experiments/{experiment_id}/runs")  # the experiment's table of training runs
+                WebDriverWait(browser, 60).until(lambda b: all(name in b.find_element("tag name", "body").text for name in names))
+                assert names and (runs["run_dir"].name in names if experiment == "hydra-ddp" else len(names) == 2)
+        finally:
             browser.quit()
-        os.killpg(server.pid, 15)
-        server.wait(timeout=30)
+
+
+# --- a tracker's own failure ------------------------------------------------------------------------------
+
+def test_an_mlflow_server_gone_mid_run_is_one_line_and_the_run_and_its_files_go_on(tmp_path):
+    """A tracking server killed once the run has logged to it: the run says so in one line, sends it nothing
+    more, and ends as it would without it: every step in TensorBoard, results.json, the checkpoint."""
+    from mlflow.tracking import MlflowClient
+
+    port = free_port()
+    server = [str(Path(sys.executable).parent / "mlflow"), "server", "--backend-store-uri", f"sqlite:///{tmp_path / 'server.db'}",
+              "--host", "127.0.0.1", "--port", str(port), "--workers", "1"]
+    slow = ["fault.slow_rank=0", "fault.slow_ms=150"]  # 32 steps: seconds of training left when the server goes
+    with mlflow_server(server, port, tmp_path / "server.log") as url:
+        training = subprocess.Popen(
+            [sys.executable, str(TRAIN), *TINY, *slow, "trainer.log_every_n_steps=1", "logger=[tensorboard,mlflow]",
+             f"logger.mlflow.tracking_uri={url}"], cwd=tmp_path, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+        client = MlflowClient(url)
+
+        def logged_a_step() -> bool:
+            assert training.poll() is None, training.communicate()[0][-4000:]
+            experiment = client.get_experiment_by_name("hydra-ddp")
+            return experiment is not None and any("train/loss" in run.data.metrics for run in client.search_runs([experiment.experiment_id]))
+
+        while not logged_a_step():
+            time.sleep(0.2)
+    output, _ = training.communicate(timeout=300)  # the server is gone
+    assert training.returncode == 0, output[-6000:]
+    warnings = [line for line in output.splitlines() if "[WARNING]" in line and "fault.slow_rank" not in line]
+    assert len(warnings) == 1 and "logger=mlflow failed (API request to" in warnings[0], output[-6000:]
+    assert warnings[0].endswith("it logs nothing more; the run and its files go on") and "Traceback" not in output
+    (run_dir,) = [p for p in (tmp_path / "outputs").iterdir() if (p / "train_rank0.log").exists()]
+    assert json.loads((run_dir / "results.json").read_text())["steps"] == 32
+    assert sorted(tensorboard_scalars(run_dir)["train/loss"]) == list(range(1, 33))
+    assert (run_dir / "checkpoints" / "last.pt").exists()
 
 
 # --- bad settings: one line each, before anything starts ------------------------------------------------
