@@ -26,6 +26,8 @@ import pytest
 
 from conftest import (DDP_RUN, REPO, TRAIN, assert_same_weights, final_weights, free_port_outside_the_ephemeral_range,
                       shared_run)
+from tracker_records import (float32, mlflow_client, mlflow_runs, mlflow_runs_of, tensorboard_scalars, wandb_history,
+                             wandb_records)
 
 LOCAL_CLUSTER = REPO / "scripts" / "slurm" / "local-cluster.sh"
 SBATCH_SCRIPT = REPO / "scripts" / "slurm" / "ddp.sbatch"
@@ -41,6 +43,11 @@ SLOWER = ["fault.slow_rank=1", "fault.slow_ms=200"]
 # for seconds, long enough for a second signal to arrive.
 SLOWEST = ["fault.slow_rank=1", "fault.slow_ms=1000"]
 TRAINING_STARTED = "strategy=ddp world_size=2"  # rank 0's first line once SIGTERM stops it with a checkpoint
+
+
+def trackers(cwd: Path) -> list[str]:
+    """Every logger, MLflow's store in `cwd` (a job submitted from the repo root would put it there)."""
+    return ["logger=[tensorboard,mlflow,wandb]", f"logger.mlflow.tracking_uri=sqlite:///{cwd / 'mlflow.db'}"]
 
 
 def cannot_run(reason: str) -> None:
@@ -154,13 +161,13 @@ def cancel_then_requeue(cwd: Path) -> dict:
     SLURM's SIGTERM makes every rank save, and the requeued job resumes and finishes."""
     run_dir = cwd / "run"
     rank0_log = run_dir / "train_rank0.log"
-    first = sbatch(run_dir, cwd, SLOWEST)
+    first = sbatch(run_dir, cwd, [*SLOWEST, *trackers(cwd)])
     wait_for(log_says("train_rank0.log", TRAINING_STARTED, run_dir), "training", alive=lambda: job_info(first)["JobState"] in ACTIVE)
     subprocess.run(["scancel", first], check=True)
     cancelled = ended(first)
     rank0_when_cancelled, results_when_cancelled = rank0_log.read_text(), (run_dir / "results.json").exists()
 
-    second = sbatch(run_dir, cwd, SLOWEST)
+    second = sbatch(run_dir, cwd, [*SLOWEST, *trackers(cwd)])
     wait_for(lambda: rank0_log.read_text().count(TRAINING_STARTED) >= 2, "training of the second job",
              alive=lambda: job_info(second)["JobState"] in ACTIVE)
     subprocess.run(["scancel", "--batch", "--signal=USR1", second], check=True)
@@ -211,6 +218,28 @@ def test_the_sbatch_script_requeues_itself_on_usr1_and_resumes_bit_identically(o
     assert_same_weights(final_weights(run_dir), one_node)
 
 
+def assert_one_tracker_run(run_dir: Path, store: Path, attempts: int) -> None:
+    """The run dir's attempts (a job resubmitted, requeued) continued one MLflow run and one W&B run,
+    each with TensorBoard's training losses, every step once."""
+    losses = tensorboard_scalars(run_dir)["train/loss"]
+    assert sorted(losses) == list(range(2, 17, 2))
+    (run,) = mlflow_runs_of(store, run_dir)
+    history = mlflow_client(store).get_metric_history(run.info.run_id, "train/loss")
+    assert run.info.status == "FINISHED" and sorted(m.step for m in history) == sorted(losses)
+    assert {m.step: float32(m.value) for m in history} == losses
+    assert len(list(run_dir.glob("wandb/offline-run-*"))) == attempts
+    ids, wandb_scalars, steps = wandb_history(run_dir)
+    assert ids == {json.loads((run_dir / "trackers.json").read_text())["wandb"]["id"]}
+    assert len(steps) == len(set(steps)), f"a step logged twice: {steps}"
+    assert {step: float32(value) for step, value in wandb_scalars["train/loss"].items()} == losses
+
+
+def test_the_sbatch_scripts_three_jobs_are_one_tracker_run(sbatch_jobs):
+    """The cancelled job, its resubmission and that one's requeue: one run in MLflow and one in W&B."""
+    out_dir, run_dir, _ = sbatch_jobs
+    assert_one_tracker_run(run_dir, out_dir / "mlflow.db", attempts=3)
+
+
 # --- hydra/launcher=slurm ---------------------------------------------------------------------------
 
 # One SLURM task per rank, 2 on the node, one CPU each.
@@ -223,7 +252,7 @@ BAD_BATCH = "error: data.batch_size=0: must be > 0 (it is per process), e.g. dat
 
 def run_sweep_with_a_requeue(cwd: Path) -> dict:
     """The 2-job sweep; job 0 gets submitit's requeue signal (USR2) once training has started."""
-    sweep = subprocess.Popen([sys.executable, str(TRAIN), *SLURM_LAUNCHER, *SWEEP, *SLOWER], cwd=cwd, env=job_env(),
+    sweep = subprocess.Popen([sys.executable, str(TRAIN), *SLURM_LAUNCHER, *SWEEP, *SLOWER, *trackers(cwd)], cwd=cwd, env=job_env(),
                              stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     try:
         wait_for(log_says("outputs/multirun/*/0_*/train_rank0.log", TRAINING_STARTED, cwd), "training in job 0",
@@ -292,3 +321,19 @@ def test_a_slurm_job_with_a_bad_override_fails_with_its_error_in_its_log(slurm_s
     (job_dir,) = sweep_dir.glob("1_*")
     assert not (job_dir / "checkpoints").exists() and not list(job_dir.glob("events.out.tfevents.*"))
     assert summary(sweep_dir)["1"].startswith("failed")
+
+
+def test_a_slurm_sweeps_requeued_job_is_one_tracker_run_in_the_sweeps_group(slurm_sweep):
+    """Job 0 and its requeue: one MLflow run in the sweep's experiment and one W&B run in its group;
+    job 1 failed before any tracker started."""
+    sweep_dir, _ = slurm_sweep
+    store = sweep_dir.parents[2] / "mlflow.db"  # the sweep's working dir
+    (job_dir,) = sweep_dir.glob("0_*")
+    assert_one_tracker_run(job_dir, store, attempts=2)
+    (run,) = mlflow_runs(store)
+    experiment = mlflow_client(store).get_experiment(run.info.experiment_id).name
+    assert experiment == run.data.tags["sweep"] == str(sweep_dir.relative_to(sweep_dir.parents[2]))
+    assert "data.batch_size=8" in run.data.tags["overrides"]
+    groups = {record.run.run_group for path in job_dir.glob("wandb/offline-run-*/run-*.wandb")
+              for record in wandb_records(path) if record.WhichOneof("record_type") == "run"}
+    assert groups == {experiment}

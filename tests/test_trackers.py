@@ -302,6 +302,40 @@ def test_a_missing_extra_is_one_line_naming_the_install_command(tmp_path):
     assert not (tmp_path / "outputs" / "mlflow.db").exists()
 
 
+def test_a_continued_run_sends_a_tracker_the_journaled_points_it_missed(runs, tmp_path):
+    """An attempt whose MLflow run missed steps 3 to 5 (its tracker failed), killed while journaling step 6;
+    the next attempt, resumed from step 4's checkpoint, first sends MLflow the journaled steps 3 and 4,
+    and not 5, which it computes again."""
+    from ddp.distributed.env import DistEnv
+    from ddp.reporting.rank_zero import RankZeroWriter
+    from ddp.reporting.trackers import JOURNAL_FILE, PointJournal, TrackedRun, open_trackers
+
+    logger = OmegaConf.create({"mlflow": {"tracking_uri": f"sqlite:///{runs['cwd'] / 'outputs' / 'mlflow.db'}",
+                                          "experiment": "journal"}})
+    run, rank_zero = TrackedRun(tmp_path, {}, None, []), DistEnv(rank=0, world_size=1)
+
+    def attempt(purge_step: int | None) -> RankZeroWriter:
+        journal = PointJournal(tmp_path, purge_step)
+        trackers = open_trackers(logger, run, journal.earlier)
+        return RankZeroWriter(tmp_path, rank_zero, tensorboard=False, trackers=trackers, journal=journal)
+
+    with attempt(purge_step=None) as writer:
+        for step in range(1, 6):
+            if step == 3:
+                writer.trackers = []  # as RankZeroWriter leaves them when the tracker fails
+            writer.add_scalar("train/loss", step / 10, step)
+            writer.commit()
+    with open(tmp_path / JOURNAL_FILE, "a") as journal:
+        journal.write('["train/loss", 0.')  # a line cut short by a kill
+    with attempt(purge_step=5):
+        pass
+    run_id = json.loads((tmp_path / "trackers.json").read_text())["mlflow"]["run_id"]
+    history = _client(runs["cwd"]).get_metric_history(run_id, "train/loss")
+    assert sorted((m.step, m.value) for m in history) == [(1, 0.1), (2, 0.2), (3, 0.3), (4, 0.4)]
+    assert [json.loads(line) for line in (tmp_path / JOURNAL_FILE).read_text().splitlines()] == [
+        ["train/loss", step / 10, step] for step in range(1, 5)]
+
+
 # --- images ----------------------------------------------------------------------------------------------
 
 def test_segmentations_image_grid_goes_to_mlflow_and_wandb(runs, tmp_path):
@@ -320,7 +354,7 @@ def test_segmentations_image_grid_goes_to_mlflow_and_wandb(runs, tmp_path):
     store = runs["cwd"] / "outputs" / "mlflow.db"
     logger = OmegaConf.create({"mlflow": {"tracking_uri": f"sqlite:///{store}", "experiment": "images"},
                                "wandb": {"project": "images", "entity": None, "mode": "offline"}})
-    trackers = open_trackers(logger, TrackedRun(tmp_path, {}, None, []))
+    trackers = open_trackers(logger, TrackedRun(tmp_path, {}, None, []), earlier_points=[])
     assert [tracker.name for tracker in trackers] == ["mlflow", "wandb"]
     with RankZeroWriter(tmp_path, DistEnv(rank=0, world_size=1), tensorboard=False, trackers=trackers) as writer:
         task.log_validation(writer, small_segnet(4, 3, width=4).eval(), splits.val, torch.device("cpu"), step=7)

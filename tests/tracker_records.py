@@ -1,9 +1,11 @@
 """Readers of a run's record in each logger, by the logger's own means: TensorBoard's event reader, MLflow's
-client, and W&B's protobuf records in its offline run files."""
+client, and W&B's protobuf records in its offline run files (read as the next attempt of a run reads them)."""
 
 import json
 import struct
 from pathlib import Path
+
+from ddp.reporting.trackers import wandb_records
 
 
 def float32(value: float) -> float:
@@ -35,31 +37,6 @@ def tensorboard_scalars(run_dir: Path) -> dict[str, dict[int, float]]:
     events = EventAccumulator(str(run_dir), size_guidance={"scalars": 0})
     events.Reload()
     return {tag: {event.step: event.value for event in events.Scalars(tag)} for tag in events.Tags()["scalars"]}
-
-
-def wandb_records(path: Path) -> list:
-    """The records of a .wandb file (W&B's own protobuf Records, in its LevelDB-style log: a 7-byte
-    header, then 32 KiB blocks of chunks: crc32 (4), length (2, little-endian), type (1: full, 2: first,
-    3: middle, 4: last))."""
-    from wandb.proto import wandb_internal_pb2
-
-    data, block, records, chunks, offset = path.read_bytes(), 32768, [], b"", 7
-    assert data[:4] == b":W&B", path
-    while offset + 7 <= len(data):
-        if block - offset % block < 7:  # a block's tail too short for a header is padding
-            offset += block - offset % block
-            continue
-        length, kind = struct.unpack("<HB", data[offset + 4:offset + 7])
-        if kind == 0:
-            break
-        chunks += data[offset + 7:offset + 7 + length]
-        offset += 7 + length
-        if kind in (1, 4):
-            record = wandb_internal_pb2.Record()
-            record.ParseFromString(chunks)
-            records.append(record)
-            chunks = b""
-    return records
 
 
 def wandb_history(run_dir: Path) -> tuple[set[str], dict[str, dict[int, float]], list[int]]:

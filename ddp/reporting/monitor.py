@@ -17,7 +17,7 @@ from ddp.jobs.faults import inject_fault
 from ddp.reporting.meter import ComputeTimer, ThroughputMeter, peak_memory, straggler_stats
 from ddp.reporting.profiling import StepProfiler, dump_memory_snapshot, marked_batches
 from ddp.reporting.rank_zero import RankZeroWriter
-from ddp.reporting.trackers import TrackedRun, open_trackers, picked
+from ddp.reporting.trackers import PointJournal, TrackedRun, open_trackers, picked
 from ddp.run_context import RunContext
 
 log = logging.getLogger("train")  # the run's own console lines, under the script's name
@@ -50,10 +50,13 @@ class RunMonitor:
 
     def __enter__(self) -> "RunMonitor":
         self._exit_stack = contextlib.ExitStack()
-        logger = self.cfg.logger
-        trackers = open_trackers(logger, TrackedRun.of(self.cfg, self.run_dir)) if self.env.is_main else []
+        logger, trackers, journal = self.cfg.logger, [], None
+        if self.env.is_main and [name for name in picked(logger) if name != "tensorboard"]:
+            journal = PointJournal(self.run_dir, self.purge_step)
+            trackers = open_trackers(logger, TrackedRun.of(self.cfg, self.run_dir), journal.earlier)
         self.writer = self._exit_stack.enter_context(RankZeroWriter(
-            self.run_dir, self.env, purge_step=self.purge_step, tensorboard="tensorboard" in picked(logger), trackers=trackers))
+            self.run_dir, self.env, purge_step=self.purge_step, tensorboard="tensorboard" in picked(logger), trackers=trackers,
+            journal=journal))
         if self.profiler is not None:
             self._exit_stack.enter_context(self.profiler)
         return self

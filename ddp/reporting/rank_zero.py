@@ -35,9 +35,11 @@ class RankZeroWriter:
     A tracker that fails is named in one line and dropped; the run and its own files go on."""
 
     def __init__(self, log_dir: Path, env: DistEnv, purge_step: int | None = None, *, tensorboard: bool = True,
-                 trackers: list | None = None):
+                 trackers: list | None = None, journal=None):
         self.writer = None
         self.trackers = list(trackers or []) if env.is_main else []
+        # trackers.PointJournal where trackers were picked: every point they are sent, whether they take it or not
+        self.journal, self.uncommitted = journal if env.is_main else None, []
         self.earlier_event_files: list[Path] = []  # an earlier attempt's, in a resumed run's dir
         if env.is_main and tensorboard:  # imported here, on rank 0 only: the import is a noticeable part of start-up
             from torch.utils.tensorboard import SummaryWriter
@@ -63,11 +65,19 @@ class RankZeroWriter:
     def add_scalar(self, tag: str, value: float, step: int) -> None:
         if self.writer is not None:
             self.writer.add_scalar(tag, value, step)
+        self._scalar_to_trackers(tag, value, step)
+
+    def _scalar_to_trackers(self, tag: str, value: float, step: int) -> None:
+        if self.journal is not None:
+            self.uncommitted.append((tag, float(value), step))
         if self.trackers:
             self._to_trackers("add_scalar", tag, value, step)
 
     def commit(self) -> None:
-        """Sends the trackers the values added so far (a step's, an epoch's, a validation's)."""
+        """Sends the trackers the values added so far (a step's, an epoch's, a validation's), journaled first."""
+        if self.journal is not None and self.uncommitted:
+            self.journal.append(self.uncommitted)
+            self.uncommitted = []
         if self.trackers:
             self._to_trackers("commit")
 
@@ -91,9 +101,9 @@ class RankZeroWriter:
         The trackers get the hparams as params, and the metrics as scalars at `step`."""
         if self.trackers:
             self._to_trackers("add_params", hparam_dict)
-            for tag, value in metric_dict.items():
-                self._to_trackers("add_scalar", tag, value, step)
-            self._to_trackers("commit")
+        for tag, value in metric_dict.items():
+            self._scalar_to_trackers(tag, value, step)
+        self.commit()
         if self.writer is None:
             return
         from torch.utils.tensorboard.summary import hparams
@@ -112,6 +122,9 @@ class RankZeroWriter:
             self.writer.close()
         self._to_trackers("close", failed)
         self.trackers = []
+        if self.journal is not None:
+            self.journal.close()
+            self.journal = None
 
     # A context manager, so that the writer closes however the run ends (a sweep's next job runs in this process).
     def __enter__(self) -> "RankZeroWriter":

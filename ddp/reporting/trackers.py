@@ -18,6 +18,7 @@ import importlib.util
 import json
 import logging
 import os
+import struct
 import time
 import urllib.error
 import urllib.request
@@ -35,6 +36,7 @@ log = logging.getLogger("train")
 TRACKERS = ("mlflow", "wandb")  # logger options besides tensorboard
 INSTALL = {name: f"pip install -e '.[{name}]'" for name in TRACKERS}
 STATE_FILE = "trackers.json"  # in the run dir: each tracker's run id
+JOURNAL_FILE = "tracker_points.jsonl"  # in the run dir: every point sent to the trackers (PointJournal)
 LOCAL_MLFLOW_STORE = Path("outputs") / "mlflow.db"  # beside the run dirs; `make mlflow-ui` serves it
 WANDB_MODES = ("auto", "online", "offline")
 
@@ -159,14 +161,54 @@ def where_to_look(logger_cfg: DictConfig, run_dir: Path) -> list[str]:
     return lines
 
 
-def open_trackers(logger_cfg: DictConfig, run: TrackedRun) -> list:
-    """Rank 0's trackers, each continuing the run dir's earlier tracker run if it has one. One that
-    can't start is named in one line and left out: the training doesn't depend on it."""
+class PointJournal:
+    """Every point committed to the trackers, a JSON line each in <run dir>/tracker_points.jsonl, so that the
+    run dir's next attempt sends a tracker the points it missed: those of a tracking server down for a while,
+    or those that W&B's service had not written when SLURM's SIGTERM, sent to every process of the job,
+    killed it. A resumed run keeps the points before its checkpoint (`purge_step`); it computes the later
+    ones again."""
+
+    def __init__(self, run_dir: Path, purge_step: int | None):
+        self.path = run_dir / JOURNAL_FILE
+        self.earlier: list[tuple[str, float, int]] = []  # the earlier attempts' points, before the checkpoint
+        if purge_step is not None and self.path.exists():
+            points = (_journal_point(line) for line in self.path.read_text().splitlines())
+            self.earlier = [point for point in points if point is not None and point[2] < purge_step]
+        tmp = self.path.with_name(f".{JOURNAL_FILE}.tmp")
+        tmp.write_text("".join(json.dumps(point) + "\n" for point in self.earlier))
+        os.replace(tmp, self.path)
+        self.file = open(self.path, "a")
+
+    def append(self, points: list[tuple[str, float, int]]) -> None:
+        self.file.write("".join(json.dumps(point) + "\n" for point in points))
+        self.file.flush()
+
+    def close(self) -> None:
+        self.file.close()
+
+
+def _journal_point(line: str) -> tuple[str, float, int] | None:
+    """A journal line; None for a last line cut short by a kill."""
+    try:
+        tag, value, step = json.loads(line)
+    except ValueError:
+        return None
+    return tag, value, step
+
+
+def open_trackers(logger_cfg: DictConfig, run: TrackedRun, earlier_points: list[tuple[str, float, int]]) -> list:
+    """Rank 0's trackers, each continuing the run dir's earlier tracker run if it has one, and sent the
+    `earlier_points` (the journal's) that it lacks. One that can't start is named in one line and left
+    out: the training doesn't depend on it."""
     kinds, trackers = {"mlflow": MLflowTracker, "wandb": WandbTracker}, []
     for name in picked(logger_cfg):
         if name in kinds:
             try:
-                trackers.append(kinds[name](logger_cfg[name], run))
+                tracker = kinds[name](logger_cfg[name], run)
+                for point in earlier_points:
+                    tracker.add_scalar(*point)
+                tracker.commit()
+                trackers.append(tracker)
             except Exception as error:
                 log.warning("logger=%s failed to start (%s): the run goes on without it", name, one_line(error))
     return trackers
@@ -329,25 +371,21 @@ class WandbTracker(Tracker):
 
         saved = read_state(run.run_dir).get(self.name)
         mode = cfg.mode if cfg.mode != "auto" else ("online" if wandb_api_key_set() else "offline")
-        # W&B's steps are rows, and it drops a row at or before its last one: a continued run starts after it
-        self.last_step = saved.get("last_step", -1) if saved else -1
+        # W&B's steps are rows, and it drops a row at or before its last one: a continued run starts after
+        # the last step W&B has, which the server knows online and the earlier attempts' files show offline
+        self.continues_after = last_offline_step(run.run_dir, saved["id"]) if saved else -1
         self.wandb_run = wandb.init(
             project=cfg.project, entity=cfg.entity, mode=mode, dir=str(run.run_dir), id=saved["id"] if saved else None,
             resume="allow", group=run.sweep, name=run.run_dir.name, config=dict(run.params),
             tags=None, notes=" ".join(run.overrides) or None, settings=wandb.Settings(console="off", silent=True))
         if saved and mode == "online":
-            self.last_step = max(self.last_step, self.wandb_run.starting_step - 1)
-        self.continues_after = self.last_step  # this attempt logs the steps after it
-        self._save_state()
+            self.continues_after = self.wandb_run.starting_step - 1
+        write_state(run.run_dir, self.name, {"id": self.wandb_run.id})
         log.info("wandb: %s run %s (%s)%s", mode, self.wandb_run.id, run.sweep or cfg.project,
                  f"; upload it later with: wandb sync {run.run_dir}/wandb/offline-run-*" if mode == "offline" else "")
 
     def has(self, tag: str, step: int) -> bool:
         return step <= self.continues_after
-
-    def _save_state(self) -> None:
-        """The run id, and the last step W&B has: a resume offline, where W&B can't be asked, starts after it."""
-        write_state(self.run.run_dir, self.name, {"id": self.wandb_run.id, "last_step": self.last_step})
 
     def send(self, points: list[tuple[str, float, int]]) -> None:
         rows: dict[int, dict[str, float]] = {}
@@ -355,8 +393,6 @@ class WandbTracker(Tracker):
             rows.setdefault(step, {})[tag] = value
         for step in sorted(rows):
             self.wandb_run.log(rows[step], step=step)
-        self.last_step = max(self.last_step, max(rows))
-        self._save_state()
 
     def add_image(self, tag: str, image, step: int) -> None:
         import wandb
@@ -370,3 +406,44 @@ class WandbTracker(Tracker):
     def end(self, failed: bool) -> None:
         self.wandb_run.finish(exit_code=1 if failed else 0)
 
+
+def last_offline_step(run_dir: Path, run_id: str) -> int:
+    """The last step that the offline files of W&B run `run_id` in the run dir hold (-1 for none), as
+    written: W&B's service writes its records every few seconds, and one killed loses the last ones.
+    The attempts' files are read newest first (their dirs are named by start time), up to one with steps."""
+    for path in sorted(run_dir.glob(f"wandb/offline-run-*/run-{run_id}.wandb"), reverse=True):
+        steps = [json.loads(item.value_json) for record in wandb_records(path) if record.WhichOneof("record_type") == "history"
+                 for item in record.history.item if item.key == "_step" or list(item.nested_key) == ["_step"]]
+        if steps:
+            return max(steps)
+    return -1
+
+
+def wandb_records(path: Path) -> list:
+    """The records of a W&B run file (.wandb): W&B's protobuf Records in a LevelDB-style log, a 7-byte header
+    then 32 KiB blocks of chunks: crc32 (4 bytes), length (2, little-endian), type (1: full, 2: first,
+    3: middle, 4: last). A file cut short by a kill ends at its last whole record."""
+    from google.protobuf.message import DecodeError
+    from wandb.proto import wandb_internal_pb2
+
+    data, block, records, chunks, offset = path.read_bytes(), 32768, [], b"", 7
+    if data[:4] != b":W&B":
+        return records
+    while offset + 7 <= len(data):
+        if block - offset % block < 7:  # a block's tail too short for a header is padding
+            offset += block - offset % block
+            continue
+        length, kind = struct.unpack("<HB", data[offset + 4:offset + 7])
+        if kind == 0 or offset + 7 + length > len(data):
+            break
+        chunks += data[offset + 7:offset + 7 + length]
+        offset += 7 + length
+        if kind in (1, 4):
+            record = wandb_internal_pb2.Record()
+            try:
+                record.ParseFromString(chunks)
+            except DecodeError:
+                break
+            records.append(record)
+            chunks = b""
+    return records
