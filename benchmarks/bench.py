@@ -74,6 +74,10 @@ def contenders(settings: Settings, quick: bool) -> list[Contender]:
         chosen.append(Contender("plain", model, 2, ["--model", model]))
         chosen += [Contender(name, model, processes, [f"model={model}", *arguments])
                    for name, (processes, arguments) in variants.items()]
+        if model == "small_cnn" and not quick:  # the trackers' cost, where the steps are short; W&B offline, as without a key
+            chosen += [Contender(f"ddp +{tracker}", model, 2, [f"model={model}", "strategy=ddp", f"logger=[tensorboard,{tracker}]",
+                                                              *settings_of_tracker])
+                       for tracker, settings_of_tracker in (("mlflow", []), ("wandb", ["logger.wandb.mode=offline"]))]
     if torch.cuda.is_available():  # one GPU: resnet50 at batch 256 in bf16, channels_last; DDP at world size 1
         gpu = ["model=torchvision", "model.name=resnet50", "precision=bf16", "channels_last=true"]
         chosen += [Contender("gpu single", "resnet50", 1, ["strategy=single", *gpu]),
@@ -148,6 +152,13 @@ def ratios(found: dict[tuple[str, str], Contender]) -> list[tuple[str, float, st
         if ("fsdp", model) in found:
             rows.append((f"fsdp / ddp, rank 0's bytes of parameters, gradients and optimizer state, {model}, 2 ranks",
                          median(found["fsdp", model].state_bytes) / median(found["ddp", model].state_bytes), "<= 0.55"))
+    for tracker in ("mlflow", "wandb"):
+        if (f"ddp +{tracker}", "small_cnn") in found:
+            contender = found[f"ddp +{tracker}", "small_cnn"]
+            rows.append((f"logger=[tensorboard,{tracker}] / tensorboard, throughput, small_cnn, 2 ranks",
+                         median(contender.throughput) / throughput("ddp", "small_cnn"), "for the record"))
+            rows.append((f"logger=[tensorboard,{tracker}] / tensorboard, whole-process wall time, small_cnn, 2 ranks",
+                         median(contender.wall) / median(found["ddp", "small_cnn"].wall), "for the record"))
     if ("gpu ddp x1", "resnet50") in found:
         rows.append(("GPU: DDP at world size 1 / single, resnet50", throughput("gpu ddp x1", "resnet50") / throughput("gpu single", "resnet50"), ">= 0.97"))
     return rows

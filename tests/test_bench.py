@@ -84,6 +84,11 @@ def test_every_contender_of_the_full_bench_composes_and_its_ratios_come_out():
             assert float(rows[what]) == pytest.approx(ratio, abs=5e-4), what
     wall = found["ddp", "small_cnn"].wall[0] / found["plain", "small_cnn"].wall[0]
     assert float(rows["train.py DDP / plain loop, whole-process wall time, small_cnn"]) == pytest.approx(wall, abs=5e-4)
+    for tracker in ("mlflow", "wandb"):  # the trackers' cost, against TensorBoard alone
+        with_it, ddp = found[f"ddp +{tracker}", "small_cnn"], found["ddp", "small_cnn"]
+        what = f"logger=[tensorboard,{tracker}] / tensorboard, %s, small_cnn, 2 ranks"
+        assert float(rows[what % "throughput"]) == pytest.approx(with_it.throughput[0] / ddp.throughput[0], abs=5e-4)
+        assert float(rows[what % "whole-process wall time"]) == pytest.approx(with_it.wall[0] / ddp.wall[0], abs=5e-4)
 
 
 def test_time_spent_waiting_for_batches_is_the_data_wait():
