@@ -1,7 +1,8 @@
 """SLURM itself: a one-node cluster on this machine (scripts/slurm/local-cluster.sh) runs
 scripts/slurm/ddp.sbatch and hydra/launcher=slurm for real. Jobs are submitted with sbatch, signalled
 with scancel, requeued by SLURM and resumed, or cancelled. Every training job runs conftest's DDP_RUN
-and must end with the weights of torchrun 1 x 2 (one_node).
+and must end with the weights of torchrun 1 x 2 (one_node), and logs to every logger: each run dir's
+attempts must make one MLflow run and one W&B run.
 
 A training job costs seconds of start-up per attempt, so the sbatch script's two stories share one
 run dir: a job cancelled, then submitted again (resume=auto), and that job warned of its time
@@ -252,8 +253,8 @@ BAD_BATCH = "error: data.batch_size=0: must be > 0 (it is per process), e.g. dat
 
 def run_sweep_with_a_requeue(cwd: Path) -> dict:
     """The 2-job sweep; job 0 gets submitit's requeue signal (USR2) once training has started."""
-    sweep = subprocess.Popen([sys.executable, str(TRAIN), *SLURM_LAUNCHER, *SWEEP, *SLOWER, *trackers(cwd)], cwd=cwd, env=job_env(),
-                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    sweep = subprocess.Popen([sys.executable, str(TRAIN), *SLURM_LAUNCHER, *SWEEP, *SLOWER, *trackers(cwd)], cwd=cwd,
+                             env=job_env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     try:
         wait_for(log_says("outputs/multirun/*/0_*/train_rank0.log", TRAINING_STARTED, cwd), "training in job 0",
                  alive=lambda: sweep.poll() is None)

@@ -229,7 +229,8 @@ def test_an_mlflow_server_gone_mid_run_is_one_line_and_the_run_and_its_files_go_
         def logged_a_step() -> bool:
             assert training.poll() is None, training.communicate()[0][-4000:]
             experiment = client.get_experiment_by_name("hydra-ddp")
-            return experiment is not None and any("train/loss" in run.data.metrics for run in client.search_runs([experiment.experiment_id]))
+            runs = client.search_runs([experiment.experiment_id]) if experiment is not None else []
+            return any("train/loss" in run.data.metrics for run in runs)
 
         while not logged_a_step():
             time.sleep(0.2)
