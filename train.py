@@ -25,7 +25,7 @@ from ddp.config.checks import check_model_accepts, validate
 from ddp.config.schema import MULTI_PROCESS, register_configs
 from ddp.distributed.env import DistEnv, restrict_visible_gpus, select_device, use_deterministic_cudnn
 from ddp.distributed.fsdp import check_blocks
-from ddp.distributed.process_group import all_reduce_sum, process_group, replicas_identical, resolve_backend
+from ddp.distributed.process_group import all_reduce_sum, process_group, releases_process_groups, replicas_identical, resolve_backend
 from ddp.distributed.syncbn import warn_if_syncbn_without_ddp
 from ddp.distributed.wrap import prepare_model, process_gpus, seed_this_rank
 from ddp.jobs.failures import end_failed_job
@@ -53,6 +53,7 @@ from models import build_model
 from tasks import build_task
 
 
+@releases_process_groups  # before Python exits: a gloo thread still at work then aborts the rank
 def run(cfg: DictConfig, run_dir: Path, relaunch: str) -> dict:
     """The whole run; returns the final metrics (also written to run_dir/results.json on rank 0).
     `relaunch` is the command that continues it after an interruption."""
@@ -168,7 +169,6 @@ def train(ctx: RunContext, update: UpdateStep, train_loader, position: Position,
                 with monitor.paused():
                     checkpointer.save(position)
         monitor.end_epoch()
-
         loss_sum, count = all_reduce_sum(position.epoch_totals.clone()).tolist()
         metrics = {"train_loss": loss_sum / max(count, 1)}
         monitor.log_epoch(position.global_step, metrics["train_loss"], epoch_time_s=time.perf_counter() - epoch_started)

@@ -163,6 +163,35 @@ def run_dirs(cwd: Path) -> list[Path]:
 DDP_RUN = ["strategy=ddp", "syncbn=true", *TINY, "checkpoint.keep_best=0"]
 
 
+EXIT_WATCH = REPO / "tests" / "workers" / "exit_watch"
+
+
+def exit_watch(cwd: Path) -> dict:
+    """The env for a launch in `cwd` whose every process records its threads as its exit begins
+    (workers/exit_watch/), in cwd/exit_watch."""
+    (cwd / "exit_watch").mkdir(exist_ok=True)
+    return {"PYTHONPATH": str(EXIT_WATCH), "WATCH_DIR": str(cwd / "exit_watch")}
+
+
+def threads_at_exit(cwd: Path) -> dict[str, list[str]]:
+    """Each rank's threads as its exit began, by RANK, from a launch with exit_watch's env (the fork
+    server and resource tracker of its DataLoader workers inherit RANK: left out by their argv)."""
+    records = [json.loads(path.read_text()) for path in (cwd / "exit_watch").glob("threads_*.json")]
+    return {record["rank"]: record["threads"] for record in records
+            if record["rank"] is not None and record["argv"][0] == str(TRAIN)}
+
+
+def assert_no_process_group_left_at_exit(cwd: Path, ranks: int = 2) -> None:
+    """destroy_process_group leaves a group's gloo worker threads running while anything holds the
+    group. One still letting go of a collective's tensors as the interpreter exits aborts a rank that
+    had finished (SIGABRT, `terminate called without an active exception`): as each rank's exit
+    began, no gloo worker thread was left."""
+    threads = threads_at_exit(cwd)
+    assert sorted(threads) == [str(rank) for rank in range(ranks)], threads
+    for rank, names in threads.items():
+        assert "pt_gloo_runloop" not in names, f"rank {rank} exits with a process group alive: {names}"
+
+
 def checked_launch(args: list[str], nproc: int | None = None, env: dict | None = None, script: Path = TRAIN):
     """produce for shared_run: launch in its dir, check, and keep what tests read of the process."""
     def produce(cwd: Path) -> dict:
@@ -179,8 +208,9 @@ def completed_process(result: dict) -> subprocess.CompletedProcess:
 
 @pytest.fixture(scope="session")
 def ddp_run(tmp_path_factory):
-    """DDP_RUN under torchrun --nproc_per_node=2, once for all test processes (shared_run)."""
-    cwd, result = shared_run("ddp_run", checked_launch(DDP_RUN, nproc=2), tmp_path_factory)
+    """DDP_RUN under torchrun --nproc_per_node=2, once for all test processes (shared_run), its
+    processes' threads recorded at exit (exit_watch)."""
+    cwd, result = shared_run("ddp_run", checked_launch(DDP_RUN, nproc=2, env=exit_watch), tmp_path_factory)
     return cwd, completed_process(result)
 
 

@@ -17,7 +17,8 @@ from hydra import compose, initialize_config_dir
 from omegaconf import OmegaConf
 
 import train
-from conftest import REPO, TINY, final_weights, load_last, load_results, results_of, run_dirs
+from conftest import (REPO, TINY, assert_no_process_group_left_at_exit, final_weights, load_last, load_results,
+                      results_of, run_dirs)
 from data import build_datasets
 from ddp.distributed.env import DistEnv
 from ddp.loading.loaders import build_val_loader
@@ -90,6 +91,11 @@ def test_no_collective_or_host_read_on_steps_that_do_not_log(plain_ddp_run):
         host_reads = json.loads((cwd / "watch" / f"host_reads_rank{rank}.json").read_text())
         quiet_reads = [(step, kind, where.split(":")[0]) for step, kind, where in host_reads if step in quiet_steps]
         assert quiet_reads == [(step, "_local_scalar_dense", "torch/amp/grad_scaler.py") for step in quiet_steps], rank
+
+
+def test_ddp_ranks_exit_with_no_process_group_left(ddp_run):
+    """DDP's reducer holds the default group, CPU SyncBN's modules a group of their own."""
+    assert_no_process_group_left_at_exit(ddp_run[0])
 
 
 def test_one_run_dir_one_hydra_dir_rank_zero_events_and_a_log_per_rank(ddp_run):

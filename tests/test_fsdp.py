@@ -23,8 +23,9 @@ from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
 from torch.distributed.checkpoint.metadata import BytesStorageMetadata
 from torch.utils.data import DataLoader
 
-from conftest import (REPO, TINY, TORCHRUN, as_json, check, config_error_in_this_process, last_checkpoint, launch,
-                      load_last, load_results, results_of, run_dirs, run_in_this_process, shared_run)
+from conftest import (REPO, TINY, TORCHRUN, as_json, assert_no_process_group_left_at_exit, check,
+                      config_error_in_this_process, exit_watch, last_checkpoint, launch, load_last, load_results,
+                      results_of, run_dirs, run_in_this_process, shared_run)
 from ddp.checkpoints.checkpoint import CheckpointError, load_checkpoint, load_latest_checkpoint
 from ddp.checkpoints.export import export_model
 from ddp.checkpoints.sharded_checkpoint import full_model_state
@@ -51,7 +52,7 @@ INSTRUMENTED = REPO / "tests" / "workers" / "instrumented_train.py"
 
 
 def run_fsdp(cwd: Path) -> dict:
-    check(launch(FSDP_RUN, cwd, nproc=2))
+    check(launch(FSDP_RUN, cwd, nproc=2, env=exit_watch(cwd)))
     return {}
 
 
@@ -59,6 +60,11 @@ def run_fsdp(cwd: Path) -> dict:
 def fsdp_run(tmp_path_factory) -> Path:
     """FSDP_RUN under torchrun --nproc_per_node=2, once for all test processes: its cwd."""
     return shared_run("fsdp_run", run_fsdp, tmp_path_factory)[0]
+
+
+def test_fsdp_ranks_exit_with_no_process_group_left(fsdp_run):
+    """FSDP's device mesh stays in DTensor's caches for the life of the process, and with it the group."""
+    assert_no_process_group_left_at_exit(fsdp_run)
 
 
 def step_dir(cwd: Path, step: int) -> Path:

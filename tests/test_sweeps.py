@@ -24,7 +24,8 @@ from tensorboard.backend.event_processing.event_accumulator import EventAccumula
 from tensorboard.backend.event_processing.event_multiplexer import EventMultiplexer
 from tensorboard.plugins.hparams import plugin_data_pb2
 
-from conftest import as_json, check, job_numbers, launch, results_of, run_dirs, shared_run
+from conftest import (as_json, assert_no_process_group_left_at_exit, check, exit_watch, job_numbers, launch, results_of,
+                      run_dirs, shared_run)
 from conftest import job_dir as job_dir_in
 
 # One epoch of a narrow small_cnn on 128 tiny synthetic images: each job costs process start-up only.
@@ -359,8 +360,10 @@ def test_optuna_under_torchrun_is_refused_before_training(tmp_path):
 # --- 8. self-launched DDP without -m -----------------------------------------------------------
 
 def test_self_launched_ddp_single_run(tmp_path):
-    result = launch(["strategy=ddp", "strategy.nproc_per_node=2", "syncbn=true", *SMALL, "data.batch_size=16"], tmp_path)
+    result = launch(["strategy=ddp", "strategy.nproc_per_node=2", "syncbn=true", *SMALL, "data.batch_size=16"], tmp_path,
+                    env=exit_watch(tmp_path))
     check(result)
+    assert_no_process_group_left_at_exit(tmp_path)  # the self-launched ranks too
     (run_dir,) = run_dirs(tmp_path)
     assert not (tmp_path / "outputs" / "multirun").exists()
     assert [p.parent for p in tmp_path.rglob(".hydra")] == [run_dir]

@@ -24,7 +24,7 @@ from torch import nn
 from torch.nn.modules.batchnorm import _BatchNorm
 
 from ddp.config.schema import ConfigError
-from ddp.distributed.process_group import replicas_identical
+from ddp.distributed.process_group import device_mesh, replicas_identical
 
 log = logging.getLogger(__name__)
 
@@ -67,14 +67,12 @@ def shard_model(model: nn.Module, strategy_cfg, device: torch.device, precision:
     FSDP doesn't broadcast rank 0's initial weights (pytorch#148756): each rank keeps its slice of its
     own. The same seed builds the same model everywhere; a rank-dependent init is refused here, before
     the shards would silently mix different models."""
-    from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
 
     if not replicas_identical(model, include_buffers=True):
         raise RuntimeError("strategy=fsdp: the ranks built different initial weights, and each would keep its slice "
                            "of its own; the model's initialisation must not depend on the rank")
-    # The mesh is explicit: left to default, a gloo group on a GPU host has segfaulted (pytorch#132471).
-    mesh = init_device_mesh(device.type, (dist.get_world_size(),))
+    mesh = device_mesh(device.type)
     blocks = find_blocks(model, strategy_cfg.block_types)
     low = LOW_PRECISION.get(precision)
     block_policy = MixedPrecisionPolicy(param_dtype=low, reduce_dtype=torch.float32 if low else None)

@@ -1,10 +1,12 @@
 """Starting and stopping the process group."""
 
 import contextlib
+import functools
+import gc
 import itertools
 import logging
 import os
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from datetime import timedelta
 
 import torch
@@ -73,6 +75,50 @@ def process_group(backend: str, env: DistEnv, device: torch.device, timeout_s: f
     # The barrier keeps a fast rank from tearing down the group while a peer still uses it.
     dist.barrier()
     dist.destroy_process_group()
+
+
+_meshes: list = []  # the device meshes built over this process's groups (device_mesh)
+
+
+def device_mesh(device_type: str):
+    """A 1-D mesh of every rank, let go of by release_process_groups. Explicit: left to default, a
+    gloo group on a GPU host has segfaulted (pytorch#132471)."""
+    from torch.distributed.device_mesh import init_device_mesh  # DTensor's import is costly: only when needed
+
+    mesh = init_device_mesh(device_type, (dist.get_world_size(),))
+    _meshes.append(mesh)
+    return mesh
+
+
+def release_process_groups() -> None:
+    """Let go of the destroyed process groups that objects still hold, so that each is freed now,
+    while Python is alive, rather than at the interpreter's exit.
+
+    destroy_process_group only unregisters a group: its gloo worker threads run until the last
+    reference to it goes. A worker thread lets go of its last collective's tensors after the caller
+    has moved on; if the interpreter is already exiting by then, taking the GIL ends that thread
+    inside a destructor and the rank aborts (`terminate called without an active exception`,
+    SIGABRT) after a run that succeeded. Freed here, a group's destructor joins its threads with the
+    GIL released, so they finish first. What holds a group: DDP's reducer, SyncBN's modules and FSDP's
+    state (garbage once the run's frames are gone, in cycles only the collector frees); a device
+    mesh, which DTensor's caches keep for the life of the process. (torch.distributed.nn's functions
+    would hold the first default group in their `group=group.WORLD` defaults, were they imported
+    after it existed: torchvision imports them at startup.)
+    """
+    for mesh in _meshes:
+        vars(mesh).get("_pg_registry", {}).clear()  # torch 2.14 keeps its groups there, not just their names
+    _meshes.clear()
+    gc.collect()
+
+
+def releases_process_groups(rank_main: Callable) -> Callable:
+    """`rank_main`, then release_process_groups: for the function that runs a rank."""
+    @functools.wraps(rank_main)
+    def run_then_release(*args, **kwargs):
+        result = rank_main(*args, **kwargs)
+        release_process_groups()
+        return result
+    return run_then_release
 
 
 def all_reduce_sum(tensor: torch.Tensor) -> torch.Tensor:

@@ -26,6 +26,7 @@ from torch.distributed.fsdp import FSDPModule
 from ddp.checkpoints.sharded_checkpoint import save_sharded_checkpoint
 from ddp.distributed.dtensor import local_tensor
 from ddp.distributed.fsdp import shard_model
+from ddp.distributed.process_group import release_process_groups
 from ddp.training.update import UpdateStep
 from models.small_cnn import SmallCNN
 from tasks.classification import ClassificationTask
@@ -129,6 +130,7 @@ def main(out: Path) -> None:
         part(out, rank)
     dist.barrier()
     dist.destroy_process_group()
+    release_process_groups()  # as train.py does: no gloo thread still at work as Python exits
 
 
 if __name__ == "__main__":
