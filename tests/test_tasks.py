@@ -3,7 +3,9 @@ on 2 DDP processes, learns and logs its extra terms at exactly the log steps; a 
 per micro-batch trains under DDP as one process does at the global batch, and under FSDP as under
 DDP; the extra terms are read back to the host at log steps only; a frozen module stays on the
 device, in eval mode and without gradients, outside the optimizer and the checkpoint, and a resume
-with another one is refused in one line; a class that isn't a Task is refused in one line.
+with another one is refused in one line, and one the task changes stops the run at its save in one line;
+a training step's dict without "loss", or with a term named like a loop scalar, is one line at the first
+step; a class that isn't a Task is refused in one line.
 
 The tasks these tests train are defined here (`test_tasks.<Class>`, importable by the runs' processes
 through PYTHONPATH), with yamls in a conf dir of their own that the runs add to Hydra's search path."""
@@ -76,6 +78,31 @@ class FrozenProjectionTask(ClassificationTask):
         return {"loss": ce + penalty, "ce": ce, "penalty": penalty}
 
 
+class TermsTask(ClassificationTask):
+    """A training step whose dict is the cross-entropy and the extra terms named by task.terms (each the
+    cross-entropy again), and holds "loss" only if task.with_loss."""
+
+    def __init__(self, num_classes: int, class_names: list[str] | None = None, terms: list[str] | None = None,
+                 with_loss: bool = True):
+        super().__init__(num_classes, class_names=class_names)
+        self.terms, self.with_loss = terms or [], with_loss
+
+    def training_step(self, model, batch):
+        images, labels = batch
+        ce = F.cross_entropy(model(images), labels)
+        return {name: ce for name in self.terms} | ({"loss": ce} if self.with_loss else {})
+
+
+class DriftingFrozenTask(FrozenProjectionTask):
+    """A task that changes its frozen module in place at every step, as a teacher put back in train
+    mode changes its BatchNorm statistics."""
+
+    def training_step(self, model, batch):
+        with torch.no_grad():
+            self.projection[0].bias.add_(0.01)
+        return super().training_step(model, batch)
+
+
 class DuckTypedTask:
     """Every member a task of the old interface had, but not a tasks.Task."""
 
@@ -96,7 +123,8 @@ def with_test_tasks(conf_dir: Path) -> str:
     """conf_dir/task/<name>.yaml for each task above; the override that puts conf_dir on Hydra's search path."""
     (conf_dir / "task").mkdir(parents=True, exist_ok=True)
     tasks = [("mirrored", "MirroredTask", ""), ("frozen_projection", "FrozenProjectionTask", "projection_seed: 0\n"),
-             ("duck_typed", "DuckTypedTask", "")]
+             ("drifting_frozen", "DriftingFrozenTask", "projection_seed: 0\n"),
+             ("terms", "TermsTask", "terms: []\nwith_loss: true\n"), ("duck_typed", "DuckTypedTask", "")]
     for name, target, options in tasks:
         (conf_dir / "task" / f"{name}.yaml").write_text(
             f"_target_: test_tasks.{target}\nobjective: val_accuracy\ndirection: maximize\n{options}")
@@ -278,6 +306,45 @@ def test_a_resume_with_another_frozen_module_is_refused_in_one_line_leaving_the_
     assert line == (f"error: task.projection_seed: differs from the run this resumes ({run_dir}/checkpoints/last.pt used "
                     "another); resume with the same task.projection_seed, or start a new run (resume=null)"), line
     assert file_digests(run_dir) == before
+
+
+def test_a_frozen_module_the_task_changes_stops_the_run_at_the_save_in_one_line(tmp_path):
+    """The checkpoint records the frozen modules' fingerprints, and a resume rebuilds them from the config:
+    a task that changes one in place (here its bias, at every step) is stopped at the first save with one
+    line naming its key, rather than saving a checkpoint that no resume could continue."""
+    result = launch([with_test_tasks(tmp_path / "conf"), *FROZEN, "task=drifting_frozen", "checkpoint.every_n_steps=2"],
+                    tmp_path, env=TESTS_ON_PATH)
+    assert result.returncode == 1, result.stdout[-3000:] + result.stderr[-3000:]
+    assert result.stderr.strip().splitlines() == [
+        "error: task.projection_seed: the frozen module changed during training (at step 2 it differs from the run's "
+        "start, which a resume rebuilds from the config); DriftingFrozenTask must not modify it (no .train(), no "
+        "in-place update)"]
+    (run_dir,) = run_dirs(tmp_path)
+    assert not any((run_dir / "checkpoints").glob("step-*"))
+
+
+# --- the training step's dict ---------------------------------------------------------------------
+
+@pytest.mark.parametrize("terms, with_loss, error", [
+    (["ce", "aux"], False, 'training_step returned a dict without "loss" (keys [\'aux\', \'ce\']); put the loss to '
+                           'back-propagate under "loss", extra terms beside it (docs/tasks.md)'),
+    (["ce", "lr", "grad_norm"], True, "training_step's extra term(s) ['grad_norm', 'lr'] would be logged over the loop's "
+                                      "own train/<name> scalars (epoch_loss, epoch_time_s, grad_norm, loss, lr, "
+                                      "samples_per_s, samples_per_s_per_rank); rename them"),
+])
+def test_a_training_step_dict_without_loss_or_with_a_loop_scalars_name_is_one_line_at_the_first_step(
+        tmp_path, monkeypatch, terms, with_loss, error):
+    """A dict without "loss" has nothing to back-propagate, and a term named like a scalar the loop logs
+    (train/lr, train/grad_norm, ...) would be logged over it: one line naming task._target_, at the first step."""
+    from ddp.config.schema import ConfigError
+
+    monkeypatch.chdir(tmp_path)
+    overrides = [with_test_tasks(tmp_path / "conf"), "task=terms", f"task.terms={terms}", f"task.with_loss={with_loss}",
+                 *TINY, "trainer.max_steps=2"]
+    with pytest.raises(ConfigError) as raised:
+        run_in_this_process(overrides, tmp_path / "run")
+    assert str(raised.value) == f"task._target_=test_tasks.TermsTask: {error}"
+    assert not (tmp_path / "run" / "checkpoints").exists()
 
 
 # --- not a task -----------------------------------------------------------------------------------

@@ -11,7 +11,7 @@ from ddp.checkpoints.checkpoint import DiskFull, keep_best_checkpoints, save_ste
 from ddp.checkpoints.resume import capture_rank_state, checkpoint_state, gather_rank_states, restore_rank_state
 from ddp.distributed.dtensor import is_sharded
 from ddp.run_context import RunContext
-from ddp.training.frozen import frozen_fingerprints
+from ddp.training.frozen import check_frozen_unchanged, frozen_fingerprints
 from ddp.training.progress import Position
 
 
@@ -50,6 +50,7 @@ class Checkpointer:
         """A collective: every rank calls it at the same step. A full disk at rank 0's save raises
         DiskFull on every rank, with rank 0's line."""
         self.update.check_finite(position.global_step, self.raw_model)
+        check_frozen_unchanged(self.update.task, self.frozen, position.global_step)  # what the checkpoint records is true
         rank_states = gather_rank_states(capture_rank_state(self.loader_generator, position.epoch_totals, self.cuda_devices))
         full = None
         try:

@@ -38,3 +38,13 @@ def check_frozen_fits(task, checkpoint: dict, source: Path) -> None:
             kind = "has none" if key not in saved else "was trained without it" if key not in own else "used another"
             raise ConfigError(f"{key}: differs from the run this resumes ({source} {kind}); resume with the same "
                               f"{key}, or start a new run (resume=null)")
+
+
+def check_frozen_unchanged(task, fingerprints: dict[str, str], step: int) -> None:
+    """The frozen modules are still those of the run's start (`fingerprints`), as the checkpoint about to be
+    saved records: a resume rebuilds them from the config, so one the task changed couldn't be resumed."""
+    for key, own in frozen_fingerprints(task).items():
+        if own != fingerprints[key]:
+            raise ConfigError(f"{key}: the frozen module changed during training (at step {step} it differs from the "
+                              f"run's start, which a resume rebuilds from the config); {type(task).__qualname__} must "
+                              "not modify it (no .train(), no in-place update)")

@@ -10,11 +10,14 @@ from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 from torch.optim import lr_scheduler
 
+from ddp.config.schema import ConfigError
 from ddp.distributed.dtensor import is_sharded, local_tensor
 from ddp.loading.batches import to_device
 from ddp.training.ema import EMA
 
 AUTOCAST_DTYPES = {"32": None, "bf16": torch.bfloat16, "16": torch.float16}
+# The train/<name> scalars the loop logs itself (ddp/reporting/monitor.py): a task's extra term can't take a name of them.
+LOOP_SCALARS = frozenset({"loss", "lr", "grad_norm", "samples_per_s", "samples_per_s_per_rank", "epoch_loss", "epoch_time_s"})
 
 
 class Diverged(RuntimeError):
@@ -100,6 +103,7 @@ class UpdateStep:
             loss = self.task.training_step(self.model, batch)
         if isinstance(loss, dict):
             self.terms = {name: term.detach() for name, term in loss.items() if name != "loss"}
+            check_loss_terms(self.task, loss)
             loss = loss["loss"]
         return loss
 
@@ -165,6 +169,18 @@ class UpdateStep:
         for name in ("scheduler", "scaler", "ema"):
             if getattr(self, name) is not None:
                 getattr(self, name).load_state_dict(state[name])
+
+
+def check_loss_terms(task, terms: dict) -> None:
+    """A training step's dict holds the loss under "loss" and names no extra term as a loop scalar
+    (it would be logged over it): one-line errors, at the first step."""
+    target = f"task._target_={type(task).__module__}.{type(task).__qualname__}"
+    if "loss" not in terms:
+        raise ConfigError(f"{target}: training_step returned a dict without \"loss\" (keys {sorted(terms)}); put the "
+                          "loss to back-propagate under \"loss\", extra terms beside it (docs/tasks.md)")
+    if clashes := sorted(LOOP_SCALARS & terms.keys() - {"loss"}):
+        raise ConfigError(f"{target}: training_step's extra term(s) {clashes} would be logged over the loop's own "
+                          f"train/<name> scalars ({', '.join(sorted(LOOP_SCALARS))}); rename them")
 
 
 def local_bytes(tensors) -> int:
