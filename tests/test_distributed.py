@@ -18,7 +18,7 @@ from omegaconf import OmegaConf
 
 import train
 from conftest import (REPO, TINY, assert_no_process_group_left_at_exit, final_weights, load_last, load_results,
-                      results_of, run_dirs)
+                      results_of, run_dirs, shared_run_in_this_process)
 from data import build_datasets
 from ddp.distributed.env import DistEnv
 from ddp.loading.loaders import build_val_loader
@@ -37,6 +37,21 @@ def test_two_ranks_match_one_process_with_the_global_batch(ddp_run, single_run):
     ddp_results, single_results = load_results(ddp_run[0]), results_of(single_run)
     assert ddp_results["steps"] == single_results["steps"] == 16
     assert (ddp_results["global_batch_size"], single_results["global_batch_size"]) == (16, 16)
+
+
+def test_accumulation_is_not_a_bigger_batch_with_batchnorm(ddp_run, single_run, tmp_path_factory):
+    """docs/fault-tolerance.md: to continue 2 ranks x 8 with SyncBN in one process, hold the global batch
+    through data.batch_size=16, not accumulation: 1 x 8 x accumulation 2 normalises over 8 samples per
+    forward, and ends far from the 2-rank run (1 x 16 ends within float noise of it, the test above)."""
+    accumulated = shared_run_in_this_process(
+        "accumulated_run", ["strategy=single", *TINY, "data.batch_size=8", "trainer.accumulate_grad_batches=2"], tmp_path_factory)
+    ddp_state, accumulated_state = load_last(ddp_run[0])["model"], final_weights(accumulated)
+    assert results_of(accumulated)["global_batch_size"] == 16
+    def farthest(state: dict) -> float:  # over the float tensors (num_batches_tracked counts forwards)
+        return max((ddp_state[k] - w).abs().max().item() for k, w in state.items() if w.is_floating_point())
+
+    noise, apart = farthest(final_weights(single_run)), farthest(accumulated_state)
+    assert apart > 1000 * noise and apart > 1e-3, (apart, noise)
 
 
 def test_ranks_end_bit_identical_and_the_replica_check_sees_one_ulp(plain_ddp_run):

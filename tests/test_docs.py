@@ -106,6 +106,20 @@ def test_readme_lists_every_option_of_each_group():
     assert not unlisted, f"README.md's Options lines leave out {unlisted}"
 
 
+def test_readmes_data_defaults_hold_for_every_data_option():
+    """The README's default batch size and workers are the default data option's, and the options whose
+    workers differ are named with theirs (the README once said 0 workers where imagefolder starts 4)."""
+    (row,) = [line for line in (REPO / "README.md").read_text().splitlines() if line.startswith("| `data.batch_size`, `data.num_workers` |")]
+    stated = row.split("|")[2].strip()
+    with initialize_config_dir(config_dir=str(REPO / "conf"), version_base="1.3"):
+        default = compose("config").data
+        options = sorted(p.stem for p in (REPO / "conf" / "data").glob("*.yaml"))
+        workers = {option: compose("config", overrides=[f"data={option}"]).data.num_workers for option in options}
+    others = sorted({count for count in workers.values()} - {default.num_workers})
+    named = "; ".join(f"{count} for {', '.join(f'`{o}`' for o in options if workers[o] == count)}" for count in others)
+    assert stated == f"{default.batch_size}, {default.num_workers}" + (f" (workers: {named})" if named else ""), row
+
+
 def test_the_layout_page_names_every_module_of_ddp():
     """ddp/__init__.py points to docs/layout.md for its modules, so the page must name each one."""
     layout = (REPO / "docs" / "layout.md").read_text()
