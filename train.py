@@ -123,7 +123,7 @@ def fit(ctx: RunContext, splits, task, length: TrainingLength, model, resumed) -
     best = BestTracker.of(cfg.checkpoint, cfg.trainer, cfg.task, resumed[1] if resumed else None)  # a resume's record goes on
     validator = Validator(ctx, model, raw_model, ema, val_loader, task)
     baselines = validator.validate_baselines()  # e.g. the teacher's val metrics: what the model is chasing
-    checkpointer = Checkpointer(ctx, update, raw_model, train_loader.generator, samples_per_batch=length.samples_per_batch,
+    checkpointer = Checkpointer(ctx, update, raw_model, samples_per_batch=length.samples_per_batch,
                                 train_size=len(splits.train), saved_step=position.global_step if resumed else -1, best=best)
     monitor = RunMonitor(ctx, trained, length, start_step=position.global_step, resumed=bool(resumed))
     monitor.mark_phases(update, validator, checkpointer)  # profiler.enabled only: phases named in the trace
@@ -152,8 +152,9 @@ def train(ctx: RunContext, update: UpdateStep, train_loader, position: Position,
     stopper, monitor, checkpointer, validator, best = house.stopper, house.monitor, house.checkpointer, house.validator, house.best
     while position.epoch < trainer.max_epochs and position.global_step < length.max_steps and not best.stop:
         epoch_started = time.perf_counter()
-        start_epoch(train_loader, position.epoch, ctx.cfg.seed, ctx.env.rank, position.epoch_start)
-        epoch_batches = min(len(train_loader), length.batches_per_epoch)  # a resumed epoch that starts part-way may have one fewer
+        # from where the epoch stands (a resume's position), loading nothing before it
+        start_epoch(train_loader, position.epoch, position.samples_in_epoch(length.samples_per_batch, len(train_loader.dataset)))
+        epoch_batches = min(position.batch_in_epoch + len(train_loader), length.batches_per_epoch)
         restore = functools.partial(checkpointer.restore_rank_state, rank_state) if rank_state else None
         batches, rank_state = iterate_from(train_loader, position.batch_in_epoch, epoch_batches, on_resume=restore), None
         record_batch = house.recorder.start_epoch(train_loader.sampler, position.epoch) if house.recorder else None

@@ -1,7 +1,8 @@
 """MixUp and CutMix (transforms.v2) of a whole training batch, on the device after collation.
 
 Their random draws (the mixing weight, the box, which of the two) come from torch's global CPU RNG,
-seeded per rank: each rank mixes differently, and a checkpoint's RNG state resumes them exactly."""
+seeded per rank: each rank mixes differently, and a checkpoint's RNG state resumes them exactly. This
+batch-level randomness is the one part of the data's draws that depends on the world size."""
 
 from collections.abc import Callable
 

@@ -1,8 +1,8 @@
 """The standard train and eval transforms, as in torchvision's references/classification presets
 (transforms.v2). Training augments (random crop and flip, an optional policy, random erasing);
 evaluation is deterministic. With data.views >= 2 the train transform gives a tuple of views, each
-its own draw of SimCLR's augmentation (data/views.py). Random draws come from torch's RNG: in a
-DataLoader worker, the one seeded per (rank, epoch) by ddp.loading.loaders.start_epoch."""
+its own draw of SimCLR's augmentation (data/views.py). Random draws come from torch's global RNG,
+seeded per sample by (seed, epoch, index) as the loader loads it (ddp/loading/sample_seeds.py)."""
 
 import torch
 from torchvision.transforms import v2

@@ -2,8 +2,8 @@
 presets (transforms.v2): the image and its tv_tensors.Mask go through one call, so each random draw
 (scale, crop offset, flip) moves both alike. Masks are always resized with nearest interpolation (v2
 does so for a Mask), so their values stay class ids; crops pad images with 0 and masks with
-IGNORE_INDEX, which the loss and the metrics skip. Random draws come from torch's global RNG: in a
-DataLoader worker, the one seeded per (rank, epoch) by ddp.loading.loaders.start_epoch."""
+IGNORE_INDEX, which the loss and the metrics skip. Random draws come from torch's global RNG, seeded
+per sample by (seed, epoch, index) as the loader loads it (ddp/loading/sample_seeds.py)."""
 
 import torch
 from torch.nn import functional as F

@@ -2,9 +2,10 @@
 on: a training sample becomes `((view_1, ..., view_n), label)`, each view its own draw of the
 augmentation. Validation stays one eval-transformed image and its label.
 
-The draws come from torch's global RNG, as every augmentation here does: in a DataLoader worker, the
-one the loader seeds per (rank, epoch); with no workers, the main process's, which the checkpoint
-holds. So the views resume exactly. data.views=1 leaves every dataset exactly as it was.
+The draws come from torch's global RNG, as every augmentation here does, seeded per sample by (seed,
+epoch, index) as the loader loads it (ddp/loading/sample_seeds.py); the views are drawn one after the
+other. So a sample's views are the same at any world size and worker count, and resume exactly.
+data.views=1 leaves every dataset exactly as it was.
 
 SimCLR's augmentation (Chen et al. 2020, appendix A) is a random resized crop, a horizontal flip,
 colour jitter (p 0.8), grayscale (p 0.2) and a Gaussian blur (p 0.5, kernel about a tenth of the

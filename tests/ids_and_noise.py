@@ -1,15 +1,25 @@
 """A dataset for loader tests, in a module of its own: each loader worker imports the dataset's
 module, and this one costs milliseconds where a test module (with all that it imports) costs seconds."""
 
+import random
+
+import numpy as np
 import torch
 from torch.utils.data import Dataset
 
 
 class IdsAndNoise(Dataset):
-    """Sample i is (i, a draw from the loading process's RNG), like a random augmentation."""
+    """Sample i is (i, a draw from each of torch's, Python's and numpy's global RNGs of the loading
+    process), like a random augmentation. `loads[i]` counts the loads of sample i, in any process
+    (shared memory, as the loader's workers are other processes)."""
+
+    def __init__(self, size: int = 50):
+        self.loads = torch.zeros(size, dtype=torch.int32).share_memory_()
 
     def __len__(self) -> int:
-        return 50
+        return len(self.loads)
 
     def __getitem__(self, index):
-        return index, torch.rand(())
+        self.loads[index] += 1
+        return index, torch.stack([torch.rand((), dtype=torch.float64), torch.tensor(random.random()),
+                                   torch.tensor(np.random.rand())])

@@ -87,7 +87,7 @@ def test_a_checkpoint_from_gpus_resumes_on_a_host_with_fewer(caplog):
     (torch.cuda.set_rng_state_all would raise IndexError, or restore another device's stream)."""
     torch.manual_seed(7)
     random.seed(7)
-    state = capture_rank_state(torch.Generator(), torch.zeros(2, dtype=torch.float64), cuda_devices=[])
+    state = capture_rank_state(torch.zeros(2, dtype=torch.float64), cuda_devices=[])
     state["cuda_rng"] = [torch.zeros(16, dtype=torch.uint8), torch.ones(16, dtype=torch.uint8)]
     expected = torch.rand(3), random.random()
     torch.manual_seed(0)

@@ -443,16 +443,17 @@ def test_checkpoint_with_pickled_code_is_refused_and_never_run(tmp_path, monkeyp
 # 9 ---------------------------------------------------------------------------------------------
 
 @pytest.mark.parametrize("start", [1, 4, 6])
-def test_mid_epoch_resume_sees_exactly_the_remaining_samples(start):
+def test_mid_epoch_resume_loads_exactly_the_remaining_samples(start):
     """2 workers, rank 1 of 2: 25 samples in 7 batches. Resuming at batch `start` on a fresh loader
-    yields batch indices start.. with the same ids and the same random draws as the full pass."""
+    started at that batch's first sample yields batch indices start.. with the same ids and the same
+    random draws as the full pass, and loads no sample of the batches before it (at 6 of 7: 85% in)."""
     env = DistEnv(rank=1, world_size=2, local_world_size=2, launcher="torchrun")
     data_cfg = SimpleNamespace(batch_size=4, num_workers=2)
     seed, epoch = 0, 1
 
-    def fresh_loader():
+    def fresh_loader(samples_in_epoch: int = 0):
         loader = build_train_loader(IdsAndNoise(), data_cfg, env, seed, pin_memory=False)
-        start_epoch(loader, epoch, seed, env.rank)
+        start_epoch(loader, epoch, samples_in_epoch)
         return loader
 
     full = list(fresh_loader())
@@ -461,12 +462,16 @@ def test_mid_epoch_resume_sees_exactly_the_remaining_samples(start):
     expected.set_epoch(epoch)
     assert torch.cat([ids for ids, _ in full]).tolist() == list(expected)
 
-    resumed = list(iterate_from(fresh_loader(), start))
+    loader = fresh_loader(start * data_cfg.batch_size * env.world_size)
+    resumed = list(iterate_from(loader, start))
     assert [index for index, _ in resumed] == list(range(start, 7))
     ids = torch.cat([ids for ids, _ in full[:start]] + [ids for _, (ids, _) in resumed])
     assert ids.tolist() == list(expected)
     for (ids, noise), (_, (resumed_ids, resumed_noise)) in zip(full[start:], resumed):
         assert torch.equal(resumed_ids, ids) and torch.equal(resumed_noise, noise)
+    loads = loader.dataset.dataset.loads
+    assert loads[torch.cat([ids for ids, _ in full[:start]])].sum() == 0
+    assert loads[torch.cat([ids for ids, _ in full[start:]])].tolist() == [1] * (len(expected) - start * 4)
 
 
 # 10 --------------------------------------------------------------------------------------------

@@ -110,7 +110,7 @@ def test_every_rank_knows_how_many_val_forwards_the_busiest_rank_runs(size, worl
 
 def test_sharded_checkpoints_are_step_dirs_with_the_last_kept(fsdp_run):
     """One DCP dir per save (one shard file per rank), the newest checkpoint.keep_last kept, no temp dir
-    left; rank 0's state.pt loads with weights_only and holds every rank's RNG and loader state."""
+    left; rank 0's state.pt loads with weights_only and holds every rank's RNG state."""
     checkpoints = step_dir(fsdp_run, 16).parent
     assert sorted(p.name for p in checkpoints.iterdir()) == ["step-00000010", "step-00000015", "step-00000016"]
     files = sorted(p.name for p in step_dir(fsdp_run, 16).iterdir())
@@ -118,7 +118,7 @@ def test_sharded_checkpoints_are_step_dirs_with_the_last_kept(fsdp_run):
     state = load_checkpoint(step_dir(fsdp_run, 16))
     assert state["sharded"] is True and "model" not in state and "optimizer" not in state
     assert (state["epoch"], state["global_step"], state["world_size"], len(state["ranks"])) == (2, 16, 2, 2)
-    assert not torch.equal(state["ranks"][0]["loader_rng"], state["ranks"][1]["loader_rng"])  # each rank's own
+    assert not torch.equal(state["ranks"][0]["torch_rng"], state["ranks"][1]["torch_rng"])  # each rank's own
 
 
 def test_resume_auto_takes_the_newest_complete_sharded_checkpoint(fsdp_run, tmp_path):

@@ -34,7 +34,7 @@ def epoch_ids(size: int, world_size: int, epoch: int) -> list[list[int]]:
     per_rank = []
     for rank in range(world_size):
         loader = build_train_loader(ids_dataset(size), LoaderConfig, DistEnv(rank=rank, world_size=world_size), 0, False)
-        start_epoch(loader, epoch, seed=0, rank=rank)
+        start_epoch(loader, epoch)
         per_rank.append([int(i) for (batch,) in loader for i in batch])
     return per_rank
 
@@ -95,13 +95,13 @@ def test_epoch_order_is_what_distributed_sampler_deals_out():
 def trained(size: int, world_size: int, batches: int | None = None, samples_in_epoch: int = 0) -> list[list[int]]:
     """The ids each rank's real train loader yields in epoch 1: the first `batches` batches of a fresh
     epoch, or all the rest of one resumed after `samples_in_epoch` samples (as train.py resumes it)."""
-    start, skip = resume_point(samples_in_epoch, LoaderConfig.batch_size, world_size)
+    _, batches_trained = resume_point(samples_in_epoch, LoaderConfig.batch_size, world_size)
     per_rank = []
     for rank in range(world_size):
         loader = build_train_loader(ids_dataset(size), LoaderConfig, DistEnv(rank=rank, world_size=world_size), 0, False)
-        start_epoch(loader, 1, seed=0, rank=rank, start=start)
-        got = [(index, [int(i) for i in batch]) for index, (batch,) in iterate_from(loader, skip)]
-        assert [index for index, _ in got] == list(range(skip, len(loader)))  # the loop's batch indices
+        start_epoch(loader, 1, samples_in_epoch)
+        got = [(index, [int(i) for i in batch]) for index, (batch,) in iterate_from(loader, batches_trained)]
+        assert [index for index, _ in got] == list(range(batches_trained, batches_trained + len(loader)))  # the loop's batch indices
         per_rank.append([i for index, ids in got if batches is None or index < batches for i in ids])
     return per_rank
 
@@ -149,9 +149,9 @@ def train_epoch_part(size: int, world_size: int, accumulate: int, checkpoint: di
         optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
         update = UpdateStep(model, optimizer, task=ClassificationTask(), precision="32")
         loader = build_train_loader(dataset, LoaderConfig, DistEnv(rank=rank, world_size=world_size), 0, False)
-        # fit's epoch, as it starts one and tells when it has ended
-        start_epoch(loader, position.epoch, 0, rank, position.epoch_start)
-        epoch_batches = min(len(loader), length.batches_per_epoch)
+        # train's epoch, as it starts one and tells when it has ended
+        start_epoch(loader, position.epoch, position.samples_in_epoch(length.samples_per_batch, size))
+        epoch_batches = min(position.batch_in_epoch + len(loader), length.batches_per_epoch)
         batches = iterate_from(loader, position.batch_in_epoch, epoch_batches)
 
         # the stop of a run at an update (a signal's, agreed by the ranks): the loop saves and exits there
@@ -160,7 +160,7 @@ def train_epoch_part(size: int, world_size: int, accumulate: int, checkpoint: di
                 break
         trained_ids.append(ids)
         ended.append(position.batch_in_epoch >= epoch_batches)
-        rank_states.append(capture_rank_state(loader.generator, position.epoch_totals, []))
+        rank_states.append(capture_rank_state(position.epoch_totals, []))
     assert len(set(ended)) == 1 and len({len(ids) for ids in trained_ids}) == 1  # the ranks in step
     saved = checkpoint_state(model, optimizer, update.state_dict(), position, length.samples_per_batch, size, rank_states,
                              {"data": {"batch_size": LoaderConfig.batch_size}})
@@ -223,30 +223,63 @@ def test_a_stop_anywhere_resumes_at_any_world_size_and_trains_each_sample_once(w
 def test_resume_at_the_same_world_size_loads_the_rest_of_the_epoch_as_the_uninterrupted_run(stop):
     """Rank 1 of 2, 2 workers, 25 samples in 7 batches of 4 (the last of 1). A checkpoint after `stop`
     batches, resumed at the same world size as train.py resumes it (`resume_position`, then the
-    epoch's loader), yields the uninterrupted epoch's batches from `stop` on: the same indices, ids
-    and workers' random draws, which only loading and dropping the trained batches from sample 0
-    gives. It restores the rank's RNG state too (a resume at another world size can't)."""
+    epoch's loader from that position), yields the uninterrupted epoch's batches from `stop` on: the
+    same indices, ids and random draws. It restores the rank's RNG state too (a resume at another
+    world size can't)."""
     world_size, rank, batch_size, size = 2, 1, LoaderConfig.batch_size, len(IdsAndNoise())
     data_cfg = SimpleNamespace(batch_size=batch_size, num_workers=2)
 
     def epoch_loader(start: int = 0):
         loader = build_train_loader(IdsAndNoise(), data_cfg, DistEnv(rank=rank, world_size=world_size), 0, False)
-        start_epoch(loader, EPOCH, 0, rank, start)
+        start_epoch(loader, EPOCH, start)
         return loader
 
     full = list(epoch_loader())
     assert len(full) == 7 and len(full[-1][0]) == 1
     model = nn.Linear(1, 1)
-    states = [capture_rank_state(torch.Generator(), torch.tensor([float(r), 1.0], dtype=torch.float64), []) for r in range(world_size)]
+    states = [capture_rank_state(torch.tensor([float(r), 1.0], dtype=torch.float64), []) for r in range(world_size)]
     checkpoint = checkpoint_state(model, torch.optim.SGD(model.parameters(), lr=0.1), {},
                                   Position(epoch=EPOCH, batch_in_epoch=stop, global_step=stop), batch_size * world_size, size,
                                   states, {"data": {"batch_size": batch_size}})
     position, rank_state = resume_position(Path("last.pt"), checkpoint, batch_size, world_size, rank, size)
     assert rank_state is states[rank] and position.epoch_totals.tolist() == [1.0, 1.0]
-    loader = epoch_loader(position.epoch_start)
-    epoch_batches = min(len(loader), len(full))
+    loader = epoch_loader(position.samples_in_epoch(batch_size * world_size, size))
+    epoch_batches = min(position.batch_in_epoch + len(loader), len(full))
     resumed = list(iterate_from(loader, position.batch_in_epoch, epoch_batches))
     assert [index for index, _ in resumed] == list(range(stop, len(full)))
     for (index, (ids, noise)) in resumed:
         assert torch.equal(ids, full[index][0]) and torch.equal(noise, full[index][1]), index
     assert position.batch_in_epoch + len(resumed) == epoch_batches  # the loop then ends the epoch
+
+
+@pytest.mark.parametrize("num_workers", [0, 2])
+def test_a_samples_random_draws_depend_only_on_the_seed_the_epoch_and_the_sample(num_workers):
+    """Each sample's draws from torch's, Python's and numpy's RNGs, as 1, 2 and 3 ranks load the epoch,
+    with and without workers: the same at every world size, both epochs differing, every sample its own."""
+    def draws(world_size: int, epoch: int, workers: int) -> dict[int, list[float]]:
+        found = {}
+        for rank in range(world_size):
+            env, data_cfg = DistEnv(rank=rank, world_size=world_size), SimpleNamespace(batch_size=4, num_workers=workers)
+            loader = build_train_loader(IdsAndNoise(), data_cfg, env, 0, False)
+            start_epoch(loader, epoch)
+            found |= {int(i): noise.tolist() for ids, noises in loader for i, noise in zip(ids, noises)}
+        return found
+
+    one = draws(1, EPOCH, 0)
+    assert sorted(one) == list(range(50))
+    assert len({tuple(noise) for noise in one.values()}) == 50
+    assert draws(2, EPOCH, num_workers) == one and draws(3, EPOCH, num_workers) == one
+    next_epoch = draws(2, EPOCH + 1, num_workers)
+    assert all(next_epoch[i] != one[i] for i in one)
+
+
+def test_loading_without_workers_leaves_the_training_steps_rng_as_it_was():
+    """With data.num_workers=0 samples load in the training process, whose dropout and MixUp draw from
+    torch's global RNG: seeding a sample must not move that stream, or the training step's draws would
+    be the last sample's."""
+    loader = build_train_loader(IdsAndNoise(), LoaderConfig, DistEnv(), 0, False)
+    start_epoch(loader, EPOCH)
+    torch.manual_seed(7)
+    before = torch.get_rng_state()
+    assert len(list(loader)) == 13
+    assert torch.equal(torch.get_rng_state(), before)

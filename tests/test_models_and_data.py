@@ -149,14 +149,14 @@ def test_a_pickled_object_is_refused_and_never_run(tmp_path):
 
 def first_batch(dataset, data_cfg, rank: int, epoch: int) -> torch.Tensor:
     loader = build_train_loader(dataset, data_cfg, DistEnv(rank=rank, world_size=2), seed=0, pin_memory=False)
-    start_epoch(loader, epoch, seed=0, rank=rank)
+    start_epoch(loader, epoch)
     return next(iter(loader))[0]
 
 
 def test_train_augmentation_differs_across_epochs_and_ranks_and_repeats_exactly(tmp_path):
-    """Eight copies of one image, read by 2 workers: each (rank, epoch) augments them differently, the
-    same (rank, epoch) again gives the same pixels (exact resume relies on it), and the eval
-    transform of the image is always the same."""
+    """Eight copies of one image, read by 2 workers: each sample of each (rank, epoch) gets its own
+    augmentation, the same (rank, epoch) again gives the same pixels (exact resume relies on it), and
+    the eval transform of the image is always the same."""
     image = tmp_path / "one.png"
     write_imagefolder(tmp_path / "source", classes=("a",), per_class=1, splits=("x",), size=(40, 36))
     (tmp_path / "source" / "x" / "a" / "0.png").rename(image)

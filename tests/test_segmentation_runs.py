@@ -176,8 +176,10 @@ def test_a_resume_from_the_step_5_checkpoint_ends_bit_identical(learned, tmp_pat
 
 # --- SyncBN ---------------------------------------------------------------------------------------
 
-# Without augmentation every pixel counts, so each rank's mean loss has the same weight; SGD, as the
-# classification invariance test. 64 images: 16 steps of a global batch of 4.
+# Without augmentation every pixel counts, so each rank's mean loss has the same weight (a crop padded
+# with ignored pixels would weigh a rank's pixels more than one process does; the draws themselves are
+# per sample, the same at any world size); SGD, as the classification invariance test. 64 images: 16
+# steps of a global batch of 4.
 INVARIANCE = [*SEG, *VAL, "data.num_samples=64", "data.augment=false", "trainer.max_epochs=1",
               "checkpoint.every_n_steps=0"]
 

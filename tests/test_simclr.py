@@ -42,9 +42,10 @@ PRETRAIN = ["strategy=ddp", "syncbn=true", *DIGITS, "data.augment=true", "data.b
             "checkpoint.keep_best=0"]
 STEPS = 135
 VAL_SAMPLES = 359
-# Invariance: no augmentation (each rank's own draws would differ from one process's), 4 updates of a
-# global batch of 16 (64 samples, one epoch).
-INVARIANCE = ["task=simclr", "data=synthetic", "data.views=2", "data.augment=false", "data.num_samples=64",
+# Invariance: each view's random crop, flip and blur, drawn per sample (so the same for 2 ranks as for one
+# process), 4 updates of a global batch of 16 (64 samples, one epoch). The ranks load in 2 workers each,
+# the one process in itself.
+INVARIANCE = ["task=simclr", "data=synthetic", "data.views=2", "data.augment=true", "data.num_samples=64",
               "data.num_val_samples=37", "data.image_size=8", "model.channels=[8,16]", "trainer.max_epochs=1",
               "trainer.log_every_n_steps=1", "checkpoint.every_n_steps=0", "checkpoint.keep_best=0"]
 # float32 noise: torch.testing.assert_close's absolute tolerance, as the classification and
@@ -211,7 +212,7 @@ def invariance(tmp_path_factory) -> dict:
     of start-up)."""
     def produce(cwd):
         (cwd / "ranks").mkdir()
-        check(launch(["-m", "strategy=ddp,fsdp", "syncbn=true", "data.batch_size=8", *INVARIANCE,
+        check(launch(["-m", "strategy=ddp,fsdp", "syncbn=true", "data.batch_size=8", *INVARIANCE, "data.num_workers=2",
                       "task.global_negatives=true,false"], cwd / "ranks", nproc=2))
         with pytest.MonkeyPatch.context() as monkeypatch:
             monkeypatch.chdir(cwd)

@@ -213,17 +213,17 @@ def test_one_view_is_the_sample_exactly_as_before(name, augment, data_root):
 def test_a_views_batch_collates_and_resumes_mid_epoch_with_the_same_draws(num_workers, data_root):
     """A train loader over data.views=2 yields [[view_1, view_2], labels] (default_collate makes the
     tuples lists): two B x C x H x W batches and B labels, counted and moved as one batch. Resumed after
-    3 batches as train.py resumes (the epoch's loader reseeded per (rank, epoch), the trained batches
-    loaded and dropped, and without workers the checkpointed global RNG restored), it yields the
-    uninterrupted epoch's remaining views exactly."""
+    3 batches as train.py resumes (the epoch's loader started at the position, nothing before it
+    loaded, and the checkpointed global RNG restored), it yields the uninterrupted epoch's remaining
+    views exactly: each sample's views are drawn from its own seed."""
     cfg = compose_data(data_overrides("synthetic", data_root, "data.num_samples=40", "data.views=2", "data.augment=true",
                                       "data.batch_size=4", f"data.num_workers={num_workers}"))
     train = build_datasets(cfg).train
     env, stop = DistEnv(rank=1, world_size=2), 3
 
-    def epoch_loader():
+    def epoch_loader(samples_in_epoch: int = 0):
         loader = build_train_loader(train, cfg, env, seed=0, pin_memory=False)
-        start_epoch(loader, 1, seed=0, rank=env.rank)
+        start_epoch(loader, 1, samples_in_epoch)
         return loader
 
     torch.manual_seed(0)
@@ -240,7 +240,7 @@ def test_a_views_batch_collates_and_resumes_mid_epoch_with_the_same_draws(num_wo
     assert all(view.is_contiguous(memory_format=torch.channels_last) for view in moved[0])
 
     torch.manual_seed(1)  # the resumed process's own state, until the checkpoint's is restored
-    resumed = list(iterate_from(epoch_loader(), stop, on_resume=lambda: torch.set_rng_state(rng_at_stop)))
+    resumed = list(iterate_from(epoch_loader(stop * 4 * env.world_size), stop, on_resume=lambda: torch.set_rng_state(rng_at_stop)))
     assert [index for index, _ in resumed] == list(range(stop, len(uninterrupted)))
     for index, ((first, second), labels) in resumed:
         (expected_first, expected_second), expected_labels = uninterrupted[index]

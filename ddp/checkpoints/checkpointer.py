@@ -23,12 +23,12 @@ class Checkpointer:
     Every checkpoint holds `best`'s record; a save at a step whose validation entered the kept best
     ones is kept as best-<step>.pt too (checkpoint.keep_best)."""
 
-    def __init__(self, ctx: RunContext, update, raw_model: nn.Module, loader_generator: torch.Generator, *,
-                 samples_per_batch: int, train_size: int, saved_step: int, best: BestTracker):
+    def __init__(self, ctx: RunContext, update, raw_model: nn.Module, *, samples_per_batch: int, train_size: int,
+                 saved_step: int, best: BestTracker):
         self.run_dir, self.env = ctx.run_dir, ctx.env
         self.every_n_steps, self.keep_last = ctx.cfg.checkpoint.every_n_steps, ctx.cfg.checkpoint.keep_last
         self.update, self.raw_model, self.optimizer = update, raw_model, update.optimizer
-        self.loader_generator, self.cuda_devices = loader_generator, ctx.gpus
+        self.cuda_devices = ctx.gpus
         self.samples_per_batch, self.train_size = samples_per_batch, train_size
         self.config = OmegaConf.to_container(ctx.cfg, resolve=True)  # the run's resolved config, as plain containers
         self.frozen = frozen_fingerprints(update.task)  # a resume must use the same frozen modules (a teacher)
@@ -51,7 +51,7 @@ class Checkpointer:
         DiskFull on every rank, with rank 0's line."""
         self.update.check_finite(position.global_step, self.raw_model)
         check_frozen_unchanged(self.update.task, self.frozen, position.global_step)  # what the checkpoint records is true
-        rank_states = gather_rank_states(capture_rank_state(self.loader_generator, position.epoch_totals, self.cuda_devices))
+        rank_states = gather_rank_states(capture_rank_state(position.epoch_totals, self.cuda_devices))
         full = None
         try:
             if is_sharded(self.raw_model):

@@ -58,8 +58,8 @@ def resume_position(path: Path, checkpoint: dict[str, Any], batch_size: int, wor
     samples = checkpoint.get("samples_in_epoch",
                              checkpoint["batch_in_epoch"] * checkpoint["config"]["data"]["batch_size"] * saved_world_size)
     samples = min(samples, train_size)  # older checkpoints counted an epoch's partial last batch as full
-    start, skip = resume_point(samples, batch_size, world_size)
-    position = Position(checkpoint["epoch"], skip, checkpoint["global_step"], start)
+    start, batches = resume_point(samples, batch_size, world_size)
+    position = Position(checkpoint["epoch"], batches, checkpoint["global_step"], start)
     rank_state = None
     if saved_world_size == world_size:
         rank_state = checkpoint["ranks"][rank]
@@ -178,8 +178,9 @@ def check_update_state_fits(checkpoint: dict[str, Any], source: Path, cfg) -> No
                               f"{'needs' if kept else 'has no use for'}: resume with the settings it was trained with")
 
 
-def capture_rank_state(loader_generator: torch.Generator, epoch_totals: torch.Tensor, cuda_devices: list[int]) -> dict[str, Any]:
-    """This rank's random state and partial-epoch loss, as plain containers and tensors.
+def capture_rank_state(epoch_totals: torch.Tensor, cuda_devices: list[int]) -> dict[str, Any]:
+    """This rank's random state and partial-epoch loss, as plain containers and tensors. (The data's
+    draws need no state: they are seeded per sample, ddp/loading/sample_seeds.py.)
 
     `cuda_devices`: the GPUs this rank computes on (its own device; DataParallel's device_ids).
     Only their RNG states are kept, so a resume that sees fewer or renumbered GPUs restores the
@@ -189,8 +190,6 @@ def capture_rank_state(loader_generator: torch.Generator, epoch_totals: torch.Te
         "torch_rng": torch.get_rng_state(),
         "cuda_rng": [torch.cuda.get_rng_state(index) for index in cuda_devices],
         "python_rng": random.getstate(),
-        # Reseeded per (rank, epoch) by ddp.loading.loaders.start_epoch, so resume re-derives it; kept for inspection.
-        "loader_rng": loader_generator.get_state(),
         "epoch_totals": epoch_totals.tolist(),
     }
 

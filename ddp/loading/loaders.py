@@ -1,6 +1,8 @@
-"""DataLoaders: shuffled shards for training, exact unpadded shards for evaluation; epochs seeded per
-(rank, epoch) and iterated from a resume point."""
+"""DataLoaders: shuffled shards for training, exact unpadded shards for evaluation, every sample's
+random draws seeded per (seed, epoch, sample) (ddp/loading/sample_seeds.py); an epoch iterated from
+a resume point without loading what comes before it."""
 
+import itertools
 from collections.abc import Callable, Iterator
 
 import torch
@@ -8,65 +10,62 @@ from torch.utils.data import DataLoader, Dataset
 
 from ddp.distributed.env import DistEnv
 from ddp.loading.loader_workers import WorkerSafeDataLoader
+from ddp.loading.sample_seeds import SeededSamples
 from ddp.loading.samplers import ShardSampler, TrainSampler
 
 
 def build_train_loader(dataset: Dataset, data_cfg, env: DistEnv, seed: int, pin_memory: bool) -> DataLoader:
     """Every strategy shards with DistributedSampler (one replica for single/dp), so the order of
-    samples depends only on the seed, never on the world size. Call `start_epoch` every epoch.
+    samples depends only on the seed, never on the world size, and so do their random draws
+    (SeededSamples). Call `start_epoch` every epoch.
 
-    Workers are not persistent: persistent workers carry their random streams across epochs,
-    which a run resumed in a later epoch could not reproduce.
+    Workers are not persistent: each epoch's workers get the dataset with that epoch set.
     """
-    sampler = TrainSampler(dataset, num_replicas=env.world_size, rank=env.rank, shuffle=True, seed=seed)
+    samples = SeededSamples(dataset, seed)
+    sampler = TrainSampler(samples, num_replicas=env.world_size, rank=env.rank, shuffle=True, seed=seed)
     return WorkerSafeDataLoader(
-        dataset,
+        samples,
         batch_size=data_cfg.batch_size,
         sampler=sampler,
         num_workers=data_cfg.num_workers,
         pin_memory=pin_memory,
-        collate_fn=getattr(dataset, "collate_fn", None),  # None: torch's default_collate (data/__init__.py)
-        # Its own generator, so the loader never draws from the global RNG (see docs/fault-tolerance.md).
+        collate_fn=samples.collate_fn,  # None: torch's default_collate (data/__init__.py)
+        # Its own generator, so that starting workers never draws from the global RNG (see docs/fault-tolerance.md).
         generator=torch.Generator(),
     )
 
 
 def build_val_loader(dataset: Dataset, data_cfg, env: DistEnv, pin_memory: bool) -> DataLoader:
+    """Exact shards; should a split's loading draw random numbers, the same draws at every validation,
+    rank, world size and run seed."""
+    dataset = SeededSamples(dataset, seed=0)
     return WorkerSafeDataLoader(
         dataset,
         batch_size=getattr(data_cfg, "val_batch_size", None) or data_cfg.batch_size,  # data=voc: 1 (ddp/config/schema.py)
         sampler=ShardSampler(len(dataset), env.world_size, env.rank),
         num_workers=data_cfg.num_workers,
         pin_memory=pin_memory,
-        collate_fn=getattr(dataset, "collate_fn", None),
+        collate_fn=dataset.collate_fn,
         persistent_workers=data_cfg.num_workers > 0,
         generator=torch.Generator(),
     )
 
 
-def start_epoch(loader: DataLoader, epoch: int, seed: int, rank: int, start: int = 0) -> None:
-    """New shuffle order for the epoch (from its `start`-th sample: `resume_point`), and a loader
-    generator reseeded per (rank, epoch) so that worker seeds and random augmentation don't depend on
-    how many batches came before."""
+def start_epoch(loader: DataLoader, epoch: int, start: int = 0) -> None:
+    """The epoch's shuffle order from its `start`-th sample (`resume_point`), and its samples' seeds."""
     loader.sampler.set_epoch(epoch, start)
-    loader.generator.manual_seed(seed + 1_000_003 * epoch + rank)
+    loader.dataset.epoch = epoch
 
 
 def iterate_from(loader: DataLoader, start_batch: int, stop_batch: int | None = None,
                  on_resume: Callable[[], None] | None = None) -> Iterator:
-    """(batch_index, batch) pairs from `start_batch` up to `stop_batch` (the loader's end by default),
-    for resuming mid-epoch.
-
-    The skipped batches are loaded and dropped rather than cut from the sampler, so workers'
-    random augmentations stay in step with the uninterrupted run. `on_resume` runs just before
-    the first yielded batch is loaded (that is when to restore the RNG state). Nothing past
-    `stop_batch` is loaded: without workers, loading draws augmentation from the global RNG, which
-    a checkpoint saved after the epoch's last batch must not have seen.
+    """(batch_index, batch) pairs of an epoch whose loader starts at its `start_batch`-th batch
+    (`start_epoch`'s start), numbered from there, up to `stop_batch` (the epoch's end by default).
+    Nothing before the start is loaded: a sample's draws don't depend on what was loaded before it.
+    `on_resume` runs just before the first batch is loaded (when to restore the RNG state); nothing
+    past `stop_batch` is loaded.
     """
-    batches = iter(loader)
-    for _ in range(start_batch):
-        next(batches)
+    stop = start_batch + len(loader) if stop_batch is None else stop_batch
     if on_resume is not None:
         on_resume()
-    for batch_index in range(start_batch, len(loader) if stop_batch is None else stop_batch):
-        yield batch_index, next(batches)
+    yield from zip(range(start_batch, stop), itertools.islice(loader, max(stop - start_batch, 0)))

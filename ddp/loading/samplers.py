@@ -38,31 +38,32 @@ def epoch_order(size: int, seed: int, epoch: int) -> list[int]:
 
 
 def rest_of_epoch(order: Sequence[int], start: int, world_size: int, rank: int) -> list[int]:
-    """This rank's share of `order[start:]`, dealt out and padded as DistributedSampler does (rank r
-    takes every world_size-th sample from r; fewer than world_size repeats make the shares equal).
+    """This rank's share of `order[start:]`, dealt out as DistributedSampler deals (rank r takes every
+    world_size-th sample from r), and padded as it pads: with the epoch's first samples, fewer than
+    world_size of them, so that the shares are equal.
 
     Why it is exact: after k batches of B on each of W ranks, DistributedSampler's ranks have trained
     precisely `order[:k * B * W]`, or all of `order` once k includes the epoch's last batch (which
     may be partial). So a run resumed at any world size continues with `order[start:]`,
-    start = min(k * B * W, len(order)), and trains every sample of the epoch once.
+    start = min(k * B * W, len(order)), and trains every sample of the epoch once. At the same world
+    size, start is a multiple of it, and the shares are the rest of DistributedSampler's own, padding included.
     """
-    rest = order[start:]
-    share = DistributedSampler(range(len(rest)), num_replicas=world_size, rank=rank, shuffle=False)
-    return [rest[i] for i in share]
+    rest = list(order[start:])
+    padding = -len(rest) % world_size
+    rest += (list(order) * math.ceil(padding / max(len(order), 1)))[:padding]
+    return rest[rank::world_size]
 
 
 def resume_point(samples_in_epoch: int, batch_size: int, world_size: int) -> tuple[int, int]:
-    """(first sample of the loader's epoch, batches of it to skip) to continue an epoch that has
-    trained `samples_in_epoch` samples of its global order, at this world size.
+    """(the epoch's first sample of its batch grid, the batches of that grid trained) to continue an
+    epoch that has trained `samples_in_epoch` samples of its global order, at this world size.
 
-    The loader starts at the largest multiple of batch_size x world_size it can, and skips the rest
-    by loading batches: at an unchanged world size it starts at 0 and skips everything, which keeps a
-    resume bit-identical (`iterate_from`). Only a world size whose global batch doesn't divide the
-    position starts the epoch part-way (TrainSampler); so does a finished epoch whose last batch
-    was partial, with nothing left to load.
+    The grid starts at 0, unless the world size changed and its global batch doesn't divide the
+    position: then it starts at the remainder, the resume landing inside a batch of the old grid. Either
+    way the loader starts at the position itself (`start_epoch`), loading nothing before it.
     """
-    skip, start = divmod(samples_in_epoch, batch_size * world_size)
-    return start, skip
+    batches, start = divmod(samples_in_epoch, batch_size * world_size)
+    return start, batches
 
 
 class TrainSampler(DistributedSampler):

@@ -49,13 +49,13 @@ class Position:
 
     Within an epoch the checkpoint holds the global samples trained: the epoch's shuffled order is
     the same at any world size (ddp/loading/samplers.py), so a resume at another world size continues it
-    exactly. The loop counts batches of its loader, which began the epoch at sample `epoch_start`.
+    exactly. The loop counts the epoch's batches on a grid that begins at sample `epoch_start`.
     """
 
     epoch: int = 0
-    batch_in_epoch: int = 0  # batches of this epoch's loader already trained (by every rank)
+    batch_in_epoch: int = 0  # batches of this epoch's grid already trained (by every rank)
     global_step: int = 0
-    epoch_start: int = 0  # the loader's first sample of the epoch: 0 unless resumed at another world size
+    epoch_start: int = 0  # the grid's first sample of the epoch: 0 unless resumed at another world size
     # this rank's loss sum and sample count so far in `epoch` (float64, kept on the training device)
     epoch_totals: torch.Tensor = field(default_factory=lambda: torch.zeros(2, dtype=torch.float64))
 

@@ -21,7 +21,7 @@ def main() -> None:
     print("ready", flush=True)
     epoch = 0
     while not stop:
-        start_epoch(loader, epoch, seed=0, rank=0)
+        start_epoch(loader, epoch)
         for _ in loader:
             pass
         epoch += 1

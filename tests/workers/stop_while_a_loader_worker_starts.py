@@ -45,7 +45,7 @@ class LoaderConfig:
 def main() -> None:
     started = Path(sys.argv[1])
     loader = build_train_loader(SlowToStartInLaterWorkers(started), LoaderConfig, DistEnv(), seed=0, pin_memory=False)
-    start_epoch(loader, 0, seed=0, rank=0)
+    start_epoch(loader, 0)
     with StopOnSignal(distributed=False, check_every_n_steps=1, deadline_s=20):
         batches = iterate_from(loader, 0)  # a local, as in train.py's loop: the stop's traceback holds it
         for _ in batches:
