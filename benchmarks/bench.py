@@ -1,5 +1,7 @@
 """`make bench`: train.py against the plain hand-written DDP loop (benchmarks/plain_ddp.py) on
-identical work, side by side in one run.
+identical work, side by side in one run; then the data path (benchmarks/data_path.py): the loader's
+images/s with per-sample seeding against without, and a resume's launch-to-first-update at 10% and at
+90% of an epoch, on JPEGs.
 
 Every contender trains the same model on the same synthetic 3x32x32 data with Adam, batch 32 per
 process, one thread per process on CPU. The contenders run interleaved (A B C ... A B C ...),
@@ -27,6 +29,9 @@ from datetime import date
 from pathlib import Path
 
 import torch
+
+sys.path.insert(0, str(Path(__file__).parent))
+import data_path  # noqa: E402 (benchmarks/ is no package)
 
 REPO = Path(__file__).resolve().parents[1]
 TORCHRUN = Path(sys.executable).with_name("torchrun")
@@ -172,7 +177,7 @@ def meets(ratio: float, goal: str) -> str:
     return ""
 
 
-def report(chosen: list[Contender], settings: Settings, quick: bool) -> str:
+def report(chosen: list[Contender], settings: Settings, quick: bool, data_lines: list[str], data_rows: list[tuple]) -> str:
     found = {(c.name, c.model): c for c in chosen}
     lines = [
         f"# make bench{' (BENCH_QUICK)' if quick else ''}: {socket.gethostname()}, {date.today()}",
@@ -187,8 +192,9 @@ def report(chosen: list[Contender], settings: Settings, quick: bool) -> str:
         "|---|---|---|---|---|",
     ]
     lines += [f"| {c.model} | {c.name} | {c.processes} | {spread(c.throughput, 1)} | {spread(c.wall, 2)} |" for c in chosen]
+    lines += data_lines
     lines += ["", "| ratio | measured | goal | met |", "|---|---|---|---|"]
-    lines += [f"| {what} | {ratio:.3f} | {goal} | {meets(ratio, goal)} |" for what, ratio, goal in ratios(found)]
+    lines += [f"| {what} | {ratio:.3f} | {goal} | {meets(ratio, goal)} |" for what, ratio, goal in ratios(found) + data_rows]
     if ("gpu single", "resnet50") in found:
         lines += ["", f"GPU resnet50, batch 256, bf16, channels_last: {median(found['gpu single', 'resnet50'].throughput):.0f} img/s "
                   "(NVIDIA's A100 AMP figure for resnet50 training: about 2,470 img/s)."]
@@ -228,7 +234,12 @@ def main() -> None:
             for contender in chosen:
                 print(f"bench: repeat {repeat + 1}/{settings.repeats}: {contender.model} {contender.name}", flush=True)
                 run_once(contender, settings, Path(scratch))
-    table = report(chosen, settings, quick)
+        data_settings = data_path.DATA_QUICK if quick else data_path.DATA_FULL
+        print(f"bench: the data path, {data_settings.images} JPEGs", flush=True)
+        photos = data_path.write_photos(Path(scratch) / "photos", data_settings.images)
+        seeding = data_path.loader_seeding(photos, data_settings)
+        resumes = data_path.resume_cost(photos, data_settings, Path(scratch) / "resumes")
+    table = report(chosen, settings, quick, *data_path.report(seeding, resumes, data_settings))
     args.out.mkdir(parents=True, exist_ok=True)
     stem = args.out / f"{socket.gethostname()}-{date.today()}{'-quick' if quick else ''}"
     Path(f"{stem}.md").write_text(table + f"\n![throughput]({stem.name}.png)\n")

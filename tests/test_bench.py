@@ -41,7 +41,7 @@ def test_quick_bench_writes_the_table_the_ratios_and_a_plot(tmp_path):
         throughput = float(row.split("|")[4].split()[0])
         assert throughput > 0, row
     for ratio in ("train.py DDP / plain loop, throughput, small_cnn", "train.py DDP / plain loop, whole-process wall time",
-                  "weak scaling"):
+                  "weak scaling", "per-sample seeding", "resume cost"):
         assert re.search(rf"\| {re.escape(ratio)}[^|]* \| \d+\.\d{{3}} \|", text), ratio
     with Image.open(plot) as image:
         assert image.format == "PNG" and image.width > 100
@@ -63,7 +63,8 @@ def test_every_contender_of_the_full_bench_composes_and_its_ratios_come_out():
     for index, contender in enumerate(chosen):  # distinct throughputs: 100, 110, 120, ...; bytes 1000, 1100, ...
         contender.throughput, contender.wall, contender.state_bytes = [100.0 + 10 * index], [10.0 + index], [1000 + 100 * index]
     found = {(c.name, c.model): c for c in chosen}
-    table = bench.report(chosen, bench.FULL, quick=False)
+    seeding, resumes = {"seeded": [98.0], "unseeded": [100.0]}, {"10%": [10.0], "90%": [10.5]}
+    table = bench.report(chosen, bench.FULL, False, *bench.data_path.report(seeding, resumes, bench.data_path.DATA_FULL))
     rows = dict(re.findall(r"^\| ([^|]+) \| (\d+\.\d{3}) \|", table, re.M))
 
     def throughput(name, model):
@@ -89,6 +90,8 @@ def test_every_contender_of_the_full_bench_composes_and_its_ratios_come_out():
         what = f"logger=[tensorboard,{tracker}] / tensorboard, %s, small_cnn, 2 ranks"
         assert float(rows[what % "throughput"]) == pytest.approx(with_it.throughput[0] / ddp.throughput[0], abs=5e-4)
         assert float(rows[what % "whole-process wall time"]) == pytest.approx(with_it.wall[0] / ddp.wall[0], abs=5e-4)
+    assert float(rows["per-sample seeding: loader images/s, seeded / unseeded"]) == pytest.approx(0.98, abs=5e-4)
+    assert float(rows["resume cost: launch to first update, 90% / 10% into an epoch"]) == pytest.approx(1.05, abs=5e-4)
 
 
 def test_time_spent_waiting_for_batches_is_the_data_wait():

@@ -120,6 +120,26 @@ def test_readmes_data_defaults_hold_for_every_data_option():
     assert stated == f"{default.batch_size}, {default.num_workers}" + (f" (workers: {named})" if named else ""), row
 
 
+def test_the_changelog_keeps_its_shape_and_every_breaking_change_says_how_to_migrate():
+    """CHANGELOG.md, linked from the README: "Keep a Changelog"'s headings, every **BREAKING** entry with
+    its `Migration:`, and each module move it lists leads to a module that exists, from one that doesn't."""
+    import importlib.util
+
+    text = (REPO / "CHANGELOG.md").read_text()
+    assert "(CHANGELOG.md)" in (REPO / "README.md").read_text()
+    versions = re.findall(r"^## (.*)$", text, re.M)
+    assert versions[0] == "[Unreleased]" and all(re.fullmatch(r"\[\d+\.\d+\.\d+\] - \d{4}-\d\d-\d\d", v) for v in versions[1:])
+    assert set(re.findall(r"^### (.*)$", text, re.M)) <= {"Added", "Changed", "Deprecated", "Removed", "Fixed", "Security"}
+    entries = re.split(r"^- ", text, flags=re.M)[1:]
+    breaking = [entry for entry in entries if entry.startswith("**BREAKING**")]
+    assert len(breaking) >= 3 and all("Migration:" in entry for entry in breaking), breaking
+    moves = re.findall(r"^  \| `(ddp\.[\w.]+)` \| `(ddp\.[\w.]+)`", text, re.M)
+    assert len(moves) >= 30
+    for old, new in moves:
+        assert importlib.util.find_spec(new) is not None, new
+        assert old == "ddp.config" or importlib.util.find_spec(old) is None, old  # ddp.config is a package now
+
+
 def test_the_layout_page_names_every_module_of_ddp():
     """ddp/__init__.py points to docs/layout.md for its modules, so the page must name each one."""
     layout = (REPO / "docs" / "layout.md").read_text()

@@ -16,7 +16,7 @@ from ddp.training.progress import Position
 
 
 class Checkpointer:
-    """Saves the run at an update boundary: every rank contributes its RNG and loader state, rank 0
+    """Saves the run at an update boundary: every rank contributes its RNG state, rank 0
     writes (atomically, ddp/checkpoints/checkpoint.py; under fsdp every rank writes its shards and rank 0 publishes
     the dir, ddp/checkpoints/sharded_checkpoint.py), and nobody runs ahead before the checkpoint exists. Never saves
     non-finite weights. Remembers the step it saved last, so the end of the run saves only if needed.
@@ -82,7 +82,7 @@ class Checkpointer:
         return state | {"best": self.best.state_dict(), "frozen": self.frozen}
 
     def restore_rank_state(self, rank_state: dict) -> None:
-        """This rank's RNG and loader state as a checkpoint saved it (resume_position's rank_state)."""
+        """This rank's RNG state as a checkpoint saved it (resume_position's rank_state)."""
         restore_rank_state(rank_state, self.cuda_devices)
 
     def save_if_unsaved(self, position: Position) -> None:

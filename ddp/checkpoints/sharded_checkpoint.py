@@ -2,7 +2,7 @@
 
 Each is a torch.distributed.checkpoint (DCP) dir: every rank writes its shards of the model and the
 optimizer state (`get_state_dict`), into `.step-<N>.tmp/`. Rank 0 then adds `state.pt`, everything
-else a resume needs (position, schedule, the run's config, every rank's RNG and loader state under
+else a resume needs (position, schedule, the run's config, every rank's RNG state under
 its rank, the optimizer's param_groups), written as ddp/checkpoints/checkpoint.py writes a checkpoint file, and
 renames the dir to `step-<N>`: a kill mid-save leaves no `step-<N>` for resume=auto to pick.
 
