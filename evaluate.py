@@ -45,7 +45,7 @@ def evaluate_checkpoint(ctx: RunContext, splits, task) -> dict:
             raise ConfigError(f"resume={cfg.resume}: {error}") from None
     model = build_model({**checkpoint["config"]["model"], "weights_path": None}, splits.num_classes, splits.in_channels,
                         with_heads=task.with_heads)
-    check_model_accepts(model, dataset[0][0])
+    check_model_accepts(model, dataset[0])
     load_model_state(model, state, path)
     ema = None
     if checkpoint.get("ema") is not None:

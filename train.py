@@ -90,7 +90,7 @@ def check_startup(cfg: DictConfig, run_dir: Path, *, world_size: int, restarted:
     length = TrainingLength.of(cfg.trainer, len(splits.train), cfg.data.batch_size, world_size)
     check_schedule(cfg.scheduler, length.total_updates, length.updates_per_epoch)
     model = build_model(cfg.model, splits.num_classes, splits.in_channels, with_heads=task.with_heads)
-    check_model_accepts(model, splits.val[0][0])
+    check_model_accepts(model, splits.val[0])
     check_blocks(model, cfg.strategy)
     check_optimizer(cfg.optim)  # the real optimizer needs the wrapped model
     resumed = find_resume_checkpoint(cfg.resume, run_dir, restarted)

@@ -1,6 +1,7 @@
 """Datasets. Each builder returns DataSplits and takes its options as keyword arguments, checked
 against its own signature (ddp.config.builder_options); add one with a module here and a
-conf/data/<name>.yaml. A dataset whose samples can't go through torch's default_collate (images of
+conf/data/<name>.yaml. A sample is (image, label) or {"image": image, "label": label}
+(ddp/loading/batches.py). A dataset whose samples can't go through torch's default_collate (images of
 different sizes) names its own in a `collate_fn` attribute, which the loaders use (ddp/loading/loaders.py)."""
 
 import logging

@@ -26,6 +26,7 @@ from torch import nn
 
 from ddp.config.builder_options import builder_options, instantiate_checked
 from ddp.config.schema import ConfigError
+from ddp.loading.batches import images_and_labels
 
 
 class Task:
@@ -64,17 +65,19 @@ class Task:
         return self.loss(model(images), targets)
 
     def transformed_batch(self, batch: Any) -> tuple[torch.Tensor, torch.Tensor]:
-        """An (images, targets) batch through train_batch, the images kept in their memory layout
-        (channels_last), which a transform may change: for training steps of that batch shape."""
-        images, targets = batch
+        """A batch's images and targets (an (images, targets) pair, or a dict's "image" and "label":
+        images_and_labels) through train_batch, the images kept in their memory layout (channels_last),
+        which a transform may change: for training steps of that batch shape."""
+        images, targets = images_and_labels(batch)
         transformed, targets = self.train_batch(images, targets)
         if images.dim() == 4 and images.is_contiguous(memory_format=torch.channels_last):
             transformed = transformed.contiguous(memory_format=torch.channels_last)
         return transformed, targets
 
     def eval_step(self, model: nn.Module, batch: Any) -> torch.Tensor:
-        """This validation batch's sums (as eval_sums describes them), under no_grad, `model` in eval mode."""
-        images, targets = batch
+        """This validation batch's sums (as eval_sums describes them), under no_grad, `model` in eval mode;
+        the batch as transformed_batch reads it."""
+        images, targets = images_and_labels(batch)
         return self.eval_sums(model(images), targets)
 
     def with_heads(self, backbone: nn.Module) -> nn.Module:

@@ -22,6 +22,7 @@ from torchvision.utils import make_grid
 from data.segmentation_transforms import IGNORE_INDEX
 from ddp.config.schema import ConfigError
 from ddp.distributed.dtensor import is_sharded
+from ddp.loading.batches import images_and_labels
 from tasks import Task
 
 HEADER = 2  # loss sum and image count, before the confusion matrix
@@ -164,7 +165,7 @@ class SegmentationTask(Task):
             return
         rows = []
         with torch.random.fork_rng(devices=[]):  # loading a sample must not move the training run's RNG
-            samples = [dataset[index] for index in range(count)]
+            samples = [images_and_labels(dataset[index]) for index in range(count)]
         for image, mask in samples:
             output = model(image.unsqueeze(0).to(device))
             prediction = (output["out"] if isinstance(output, dict) else output).argmax(dim=1)[0]

@@ -28,6 +28,7 @@ from torch import nn
 from torch.nn import functional as F
 
 from ddp.config.schema import ConfigError
+from ddp.loading.batches import images_and_labels
 from models.weights import find_classifier
 from tasks import Task
 from tasks.classification import ClassificationTask
@@ -120,14 +121,14 @@ class SimCLRTask(Task):
     def training_step(self, model: nn.Module, batch) -> dict[str, torch.Tensor]:
         """One forward over both views at once: BatchNorm (SyncBN) normalises over every view, as SimCLR
         does, and FSDP gathers each block once per micro-batch."""
-        (view_1, view_2), labels = batch
+        (view_1, view_2), labels = images_and_labels(batch)
         output = model(torch.cat([view_1, view_2]))
         contrastive = nt_xent(output["projection"], self.temperature, self.global_negatives)
         probe = F.cross_entropy(output["logits"], torch.cat([labels, labels]))
         return {"loss": contrastive + probe, "contrastive_loss": contrastive, "probe_loss": probe}
 
     def eval_step(self, model: nn.Module, batch) -> torch.Tensor:
-        images, labels = batch
+        images, labels = images_and_labels(batch)
         return self.probe_task.eval_sums(model(images)["logits"], labels)
 
     def metrics(self, sums: torch.Tensor) -> dict[str, float]:

@@ -11,19 +11,22 @@ from omegaconf import DictConfig, OmegaConf
 
 from ddp.config.builder_options import builder_options
 from ddp.config.schema import BUILDERS, MULTI_PROCESS, ConfigError
+from ddp.loading.batches import sample_image
 from ddp.reporting.trackers import check_trackers
 
 
-def check_model_accepts(model: torch.nn.Module, sample: torch.Tensor) -> None:
-    """One sample through the model in eval mode, so data the model can't take (an image too small
-    for its pooling, the wrong channel count) stops the run now, as a one-line error."""
+def check_model_accepts(model: torch.nn.Module, sample: Any) -> None:
+    """One dataset sample's image (ddp/loading/batches.py: sample_image) through the model in eval mode,
+    so data the model can't take (an image too small for its pooling, the wrong channel count, a sample
+    without an image where one is looked for) stops the run now, as a one-line error."""
+    image = sample_image(sample)
     was_training = model.training
     try:
         with torch.no_grad():
-            model.eval()(sample.unsqueeze(0))
+            model.eval()(image.unsqueeze(0))
     except (RuntimeError, ValueError) as error:
         reason = str(error).strip().splitlines()[0]
-        raise ConfigError(f"data/model: the model can't take this data's samples (shape {list(sample.shape)}): "
+        raise ConfigError(f"data/model: the model can't take this data's samples (shape {list(image.shape)}): "
                           f"{reason}; check data.image_size / data.channels against model.*") from None
     finally:
         model.train(was_training)

@@ -1,10 +1,18 @@
 """A batch as the loader yields it: any nesting of tuples, lists and dicts of tensors, e.g.
-(images, labels) or ((view_1, view_2), labels). The loop moves it as a whole and counts its samples
-from its size, whatever the task does with it."""
+(images, labels), ((view_1, view_2), labels) or {"image": images, "label": labels}. The loop moves it
+as a whole and counts its samples from its size, whatever the task does with it.
+
+Where a sample's (or a batch's) image and label are, by its structure (docs/tasks.md#batches):
+element 0 and 1 of a tuple or list; the IMAGE_KEY and LABEL_KEY entries of a dict. The startup check
+tries the model on a sample's image; the default task steps read a batch's images and labels."""
 
 from typing import Any
 
 import torch
+
+from ddp.config.schema import ConfigError
+
+IMAGE_KEY, LABEL_KEY = "image", "label"
 
 
 def to_device(batch: Any, device: torch.device, memory_format: torch.memory_format = torch.preserve_format) -> Any:
@@ -37,3 +45,35 @@ def one_sample_batch(dataset, index: int = 0) -> Any:
     from torch.utils.data import default_collate
 
     return (getattr(dataset, "collate_fn", None) or default_collate)([dataset[index]])
+
+
+def structure(sample: Any) -> str:
+    """How a sample or batch is built, for an error line: "a dict with keys ['img', 'y']", "a tuple of 3"."""
+    if isinstance(sample, dict):
+        return f"a dict with keys {sorted(map(str, sample))}"
+    if isinstance(sample, (tuple, list)):
+        return f"a {type(sample).__name__} of {len(sample)}"
+    return f"a {type(sample).__name__}"
+
+
+def sample_image(sample: Any) -> Any:
+    """A dataset sample's image: element 0 of a tuple or list, a dict's IMAGE_KEY."""
+    if isinstance(sample, (tuple, list)) and len(sample) > 0:
+        return sample[0]
+    if isinstance(sample, dict) and IMAGE_KEY in sample:
+        return sample[IMAGE_KEY]
+    raise ConfigError(f"data: a sample is {structure(sample)}, and its image is looked for as element 0 of a tuple "
+                      f"or list, or as a dict's '{IMAGE_KEY}'; return samples as (image, label) or as a dict with "
+                      f"'{IMAGE_KEY}' and '{LABEL_KEY}' keys (docs/tasks.md#batches)")
+
+
+def images_and_labels(batch: Any) -> tuple[Any, Any]:
+    """A batch's (or sample's) images and labels: a pair's two elements, a dict's IMAGE_KEY and LABEL_KEY."""
+    if not isinstance(batch, dict):
+        images, labels = batch
+        return images, labels
+    if IMAGE_KEY not in batch or LABEL_KEY not in batch:
+        raise ConfigError(f"data: a batch is {structure(batch)}; the task reads a dict batch's '{IMAGE_KEY}' and "
+                          f"'{LABEL_KEY}': return samples with both keys, or use a task whose steps read yours "
+                          "(docs/tasks.md#batches)")
+    return batch[IMAGE_KEY], batch[LABEL_KEY]
