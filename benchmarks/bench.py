@@ -15,6 +15,7 @@ prints the table and the ratios with their goals.
 """
 
 import argparse
+import importlib.util
 import json
 import os
 import platform
@@ -47,8 +48,18 @@ class Settings:
     batch_size: int = 32
 
 
-FULL = Settings(models=("small_cnn", "resnet18"), steps=20, warmup=5, repeats=3)
+FULL = Settings(models=("tiny_cnn", "small_cnn", "resnet18"), steps=20, warmup=5, repeats=5)
 QUICK = Settings(models=("small_cnn",), steps=4, warmup=2, repeats=1, image_size=16)
+
+
+# train.py's model for each benchmark model (plain_ddp.py's MODELS); tiny_cnn is framework-bound: a step of a
+# few milliseconds at 16 px, where the loop's own cost per step shows
+MODEL_OVERRIDES = {"tiny_cnn": ["model=small_cnn", "model.channels=[8,16]"], "small_cnn": ["model=small_cnn"],
+                   "resnet18": ["model=resnet18"]}
+IMAGE_SIZES = {"tiny_cnn": 16}
+# Lightning's Trainer, with the optional extra (pip install -e '.[bench]'): benchmarks/lightning_ddp.py
+LIGHTNING = importlib.util.find_spec("lightning") is not None
+SCRIPTS = {"plain": "plain_ddp.py", "lightning": "lightning_ddp.py"}
 
 
 @dataclass
@@ -56,7 +67,7 @@ class Contender:
     name: str
     model: str
     processes: int
-    arguments: list[str]  # train.py overrides, or plain_ddp.py's flags when name == "plain"
+    arguments: list[str]  # train.py overrides, or the script's flags for "plain" and "lightning"
     throughput: list[float] = field(default_factory=list)
     wall: list[float] = field(default_factory=list)
     state_bytes: list[int] = field(default_factory=list)  # rank 0's parameters, gradients and optimizer state
@@ -76,11 +87,11 @@ def contenders(settings: Settings, quick: bool) -> list[Contender]:
         variants = {name: variants[name] for name in ("ddp", "single")}
     chosen = []
     for model in settings.models:
-        chosen.append(Contender("plain", model, 2, ["--model", model]))
-        chosen += [Contender(name, model, processes, [f"model={model}", *arguments])
-                   for name, (processes, arguments) in variants.items()]
+        chosen += [Contender(name, model, 2, ["--model", model]) for name in ("plain", "lightning") if name == "plain" or LIGHTNING]
+        chosen += [Contender(name, model, processes, [*MODEL_OVERRIDES[model], *arguments])
+                   for name, (processes, arguments) in variants.items() if model != "tiny_cnn" or name == "ddp"]
         if model == "small_cnn" and not quick:  # the trackers' cost, where the steps are short; W&B offline, as without a key
-            chosen += [Contender(f"ddp +{tracker}", model, 2, [f"model={model}", "strategy=ddp", f"logger=[tensorboard,{tracker}]",
+            chosen += [Contender(f"ddp +{tracker}", model, 2, [*MODEL_OVERRIDES[model], "strategy=ddp", f"logger=[tensorboard,{tracker}]",
                                                               *settings_of_tracker])
                        for tracker, settings_of_tracker in (("mlflow", []), ("wandb", ["logger.wandb.mode=offline"]))]
     if torch.cuda.is_available():  # one GPU: resnet50 at batch 256 in bf16, channels_last; DDP at world size 1
@@ -92,10 +103,10 @@ def contenders(settings: Settings, quick: bool) -> list[Contender]:
 
 def command(contender: Contender, settings: Settings, run_dir: Path) -> list[str]:
     gpu = contender.model == "resnet50"
-    batch, image_size = (256, 224) if gpu else (settings.batch_size, settings.image_size)
+    batch, image_size = (256, 224) if gpu else (settings.batch_size, IMAGE_SIZES.get(contender.model, settings.image_size))
     launcher = [str(TORCHRUN), "--standalone", f"--nproc_per_node={contender.processes}"]
-    if contender.name == "plain":
-        return [*launcher, str(REPO / "benchmarks" / "plain_ddp.py"), *contender.arguments, "--steps", str(settings.steps),
+    if contender.name in SCRIPTS:
+        return [*launcher, str(REPO / "benchmarks" / SCRIPTS[contender.name]), *contender.arguments, "--steps", str(settings.steps),
                 "--warmup", str(settings.warmup), "--batch-size", str(batch), "--image-size", str(image_size)]
     samples = (settings.warmup + settings.steps) * batch * contender.processes  # one epoch of exactly that many steps
     overrides = [*contender.arguments, "data=synthetic", f"data.num_samples={samples}", f"data.num_val_samples={batch}",
@@ -114,7 +125,7 @@ def run_once(contender: Contender, settings: Settings, scratch: Path) -> None:
     wall = time.perf_counter() - started
     if result.returncode != 0:
         sys.exit(f"bench: {contender.name} ({contender.model}) failed:\n{result.stderr[-3000:]}")
-    if contender.name == "plain":
+    if contender.name in SCRIPTS:
         throughput = json.loads(result.stdout.strip().splitlines()[-1])["samples_per_s"]
     else:
         results = json.loads((run_dir / "results.json").read_text())
@@ -132,15 +143,22 @@ def spread(values: list[float], digits: int) -> str:
     return f"{median(values):.{digits}f} ({min(values):.{digits}f}-{max(values):.{digits}f})"
 
 
-def ratios(found: dict[tuple[str, str], Contender]) -> list[tuple[str, float, str]]:
+def ratios(found: dict[tuple[str, str], Contender], batch_size: int) -> list[tuple[str, float, str]]:
     """(what, measured ratio, goal) for every ratio whose contenders ran."""
     def throughput(name, model):
         return median(found[name, model].throughput)
 
     rows = []
-    for model, goal in (("small_cnn", ">= 0.97"), ("resnet18", ">= 0.99")):
+    for model, goal in (("tiny_cnn", "-"), ("small_cnn", ">= 0.99"), ("resnet18", ">= 0.99")):
         if ("ddp", model) in found:
             rows.append((f"train.py DDP / plain loop, throughput, {model}", throughput("ddp", model) / throughput("plain", model), goal))
+        if ("ddp", model) in found and ("lightning", model) in found:
+            rows.append((f"train.py DDP / Lightning, throughput, {model}", throughput("ddp", model) / throughput("lightning", model),
+                         ">= 1.00" if model != "resnet18" else "for the record"))
+    if ("ddp", "tiny_cnn") in found:  # the loop's own cost: a step's time over the plain loop's, in ms
+        step_samples = found["ddp", "tiny_cnn"].processes * batch_size
+        rows.append(("train.py DDP - plain loop, time per step (ms), tiny_cnn",
+                     1000 * step_samples * (1 / throughput("ddp", "tiny_cnn") - 1 / throughput("plain", "tiny_cnn")), "<= 0.30"))
     if ("ddp", "small_cnn") in found:
         rows.append(("train.py DDP / plain loop, whole-process wall time, small_cnn",
                      median(found["ddp", "small_cnn"].wall) / median(found["plain", "small_cnn"].wall), "<= 1.10"))
@@ -192,9 +210,12 @@ def report(chosen: list[Contender], settings: Settings, quick: bool, data_lines:
         "|---|---|---|---|---|",
     ]
     lines += [f"| {c.model} | {c.name} | {c.processes} | {spread(c.throughput, 1)} | {spread(c.wall, 2)} |" for c in chosen]
+    if not LIGHTNING:
+        lines += ["", "Lightning rows skipped: Lightning is not installed (the optional extra: pip install -e '.[bench]', "
+                  "which make bench installs)."]
     lines += data_lines
     lines += ["", "| ratio | measured | goal | met |", "|---|---|---|---|"]
-    lines += [f"| {what} | {ratio:.3f} | {goal} | {meets(ratio, goal)} |" for what, ratio, goal in ratios(found) + data_rows]
+    lines += [f"| {what} | {ratio:.3f} | {goal} | {meets(ratio, goal)} |" for what, ratio, goal in ratios(found, settings.batch_size) + data_rows]
     if ("gpu single", "resnet50") in found:
         lines += ["", f"GPU resnet50, batch 256, bf16, channels_last: {median(found['gpu single', 'resnet50'].throughput):.0f} img/s "
                   "(NVIDIA's A100 AMP figure for resnet50 training: about 2,470 img/s)."]

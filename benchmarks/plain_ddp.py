@@ -24,6 +24,8 @@ from models.small_cnn import SmallCNN
 
 MODELS = {
     "small_cnn": lambda: SmallCNN(num_classes=10, in_channels=3, channels=[32, 64, 128]),
+    # framework-bound: a step of a few milliseconds, where the loop's own cost per step shows (at 16 px)
+    "tiny_cnn": lambda: SmallCNN(num_classes=10, in_channels=3, channels=[8, 16]),
     "resnet18": lambda: build_resnet18(num_classes=10, in_channels=3, small_input=True),
 }
 

@@ -43,6 +43,10 @@ def test_quick_bench_writes_the_table_the_ratios_and_a_plot(tmp_path):
     for ratio in ("train.py DDP / plain loop, throughput, small_cnn", "train.py DDP / plain loop, whole-process wall time",
                   "weak scaling", "per-sample seeding", "resume cost"):
         assert re.search(rf"\| {re.escape(ratio)}[^|]* \| \d+\.\d{{3}} \|", text), ratio
+    if load_bench().LIGHTNING:  # the optional extra (.[bench]): its contender, or a line that says it was skipped
+        assert re.search(r"\| train.py DDP / Lightning, throughput, small_cnn \| \d+\.\d{3} \|", text), text
+    else:
+        assert "Lightning rows skipped: Lightning is not installed" in text, text
     with Image.open(plot) as image:
         assert image.format == "PNG" and image.width > 100
 
@@ -53,10 +57,11 @@ def test_every_contender_of_the_full_bench_composes_and_its_ratios_come_out():
     measurements, has every ratio row with the ratio of those numbers (syncbn's: ddp's throughput over ddp
     syncbn's)."""
     bench = load_bench()
+    bench.LIGHTNING = True  # its rows, whether or not the optional extra is installed here
     chosen = bench.contenders(bench.FULL, quick=False)
     register_configs()
     with initialize_config_dir(config_dir=str(REPO / "conf"), version_base="1.3"):
-        for contender in (c for c in chosen if c.name != "plain"):
+        for contender in (c for c in chosen if c.name not in bench.SCRIPTS):
             argv = bench.command(contender, bench.FULL, Path("run"))
             overrides = [arg for arg in argv[argv.index(str(REPO / "train.py")) + 1:] if not arg.startswith("hydra.")]
             validate(compose("config", overrides=overrides), launched=contender.processes > 1, world_size=contender.processes)
@@ -65,11 +70,16 @@ def test_every_contender_of_the_full_bench_composes_and_its_ratios_come_out():
     found = {(c.name, c.model): c for c in chosen}
     seeding, resumes = {"seeded": [98.0], "unseeded": [100.0]}, {"10%": [10.0], "90%": [10.5]}
     table = bench.report(chosen, bench.FULL, False, *bench.data_path.report(seeding, resumes, bench.data_path.DATA_FULL))
-    rows = dict(re.findall(r"^\| ([^|]+) \| (\d+\.\d{3}) \|", table, re.M))
+    rows = dict(re.findall(r"^\| ([^|]+) \| (-?\d+\.\d{3}) \|", table, re.M))
 
     def throughput(name, model):
         return found[name, model].throughput[0]
 
+    assert float(rows["train.py DDP - plain loop, time per step (ms), tiny_cnn"]) == pytest.approx(
+        1000 * 2 * bench.FULL.batch_size * (1 / throughput("ddp", "tiny_cnn") - 1 / throughput("plain", "tiny_cnn")), abs=5e-4)
+    for model in ("tiny_cnn", "small_cnn", "resnet18"):
+        assert float(rows[f"train.py DDP / Lightning, throughput, {model}"]) == pytest.approx(
+            throughput("ddp", model) / throughput("lightning", model), abs=5e-4)
     for model in ("small_cnn", "resnet18"):
         expected = {
             f"train.py DDP / plain loop, throughput, {model}": throughput("ddp", model) / throughput("plain", model),
