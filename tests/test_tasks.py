@@ -31,9 +31,31 @@ TESTS_ON_PATH = {"PYTHONPATH": str(REPO / "tests")}
 
 # --- tasks of the tests' own ----------------------------------------------------------------------
 
+class WithAuxHead(nn.Module):
+    """A task's head around the model= config's model (Task.with_heads): its logits refined by an auxiliary
+    head, keys backbone.* and aux.*. Like a user's, it doesn't repeat the backbone's fsdp_block_types."""
+
+    def __init__(self, backbone: nn.Module, num_classes: int):
+        super().__init__()
+        self.backbone = backbone
+        self.aux = nn.Sequential(nn.ReLU(), nn.Linear(num_classes, num_classes))
+
+    def forward(self, images):
+        logits = self.backbone(images)
+        return logits + self.aux(logits)
+
+
 class MirroredTask(ClassificationTask):
     """Two forwards of the model per micro-batch, both without randomness: the cross-entropy of the
-    images and of their mirror images, averaged. Each forward's gradient counts as much as the other's."""
+    images and of their mirror images, averaged. Each forward's gradient counts as much as the other's.
+    The model trained is the backbone with an auxiliary head (WithAuxHead)."""
+
+    def __init__(self, num_classes: int, class_names: list[str] | None = None):
+        super().__init__(num_classes, class_names=class_names)
+        self.num_classes = num_classes
+
+    def with_heads(self, backbone):
+        return WithAuxHead(backbone, self.num_classes)
 
     def training_step(self, model, batch):
         images, labels = batch
@@ -208,18 +230,36 @@ def test_two_forwards_per_micro_batch_train_2_ddp_ranks_as_one_process_at_the_gl
     assert results_of(mirrored_ddp)["replicas_identical"] is True
 
 
-def test_two_forwards_per_micro_batch_train_under_fsdp_as_under_ddp(mirrored_ddp, tmp_path):
+@pytest.fixture(scope="module")
+def mirrored_fsdp(tmp_path_factory) -> Path:
+    """MIRRORED under torchrun, 2 FSDP ranks, once for all test processes: its run dir."""
+    def produce(cwd: Path) -> dict:
+        check(launch([with_test_tasks(cwd / "conf"), "strategy=fsdp", *MIRRORED], cwd, nproc=2, env=TESTS_ON_PATH))
+        return {}
+
+    (run_dir,) = run_dirs(shared_run("tasks_mirrored_fsdp", produce, tmp_path_factory)[0])
+    return run_dir
+
+
+def test_two_forwards_per_micro_batch_train_under_fsdp_as_under_ddp(mirrored_ddp, mirrored_fsdp):
     """FSDP2 gathers the parameters for each forward and reduce-scatters the gradient of both after
     the backward: 2 sharded ranks end with DDP's weights, within float noise, and its val accuracy."""
     from ddp.checkpoints.sharded_checkpoint import full_model_state
 
-    check(launch([with_test_tasks(tmp_path / "conf"), "strategy=fsdp", *MIRRORED], tmp_path, nproc=2, env=TESTS_ON_PATH))
-    (fsdp_dir,) = run_dirs(tmp_path)
-    fsdp, ddp = full_model_state(fsdp_dir / "checkpoints" / "step-00000008"), last_checkpoint(mirrored_ddp)["model"]
+    fsdp, ddp = full_model_state(mirrored_fsdp / "checkpoints" / "step-00000008"), last_checkpoint(mirrored_ddp)["model"]
     assert fsdp.keys() == ddp.keys()
     for key, value in ddp.items():
         torch.testing.assert_close(fsdp[key], value, msg=lambda m, key=key: f"{key}: {m}")
-    assert results_of(fsdp_dir)["val_accuracy"] == results_of(mirrored_ddp)["val_accuracy"]
+    assert results_of(mirrored_fsdp)["val_accuracy"] == results_of(mirrored_ddp)["val_accuracy"]
+
+
+def test_fsdp_shards_the_backbones_blocks_behind_the_tasks_head(mirrored_fsdp):
+    """WithAuxHead hides small_cnn's fsdp_block_types; FSDP finds them inside it: each Conv2d and Linear
+    (small_cnn's 2 convolutions and classifier, the head's Linear) is a unit of its own, not the whole
+    model one unit (0 blocks, the most memory) as before, which would also be warned of."""
+    log = (mirrored_fsdp / "train_rank0.log").read_text()
+    assert "fsdp: 4 block(s) sharded, then the root" in log, log
+    assert "no block to shard" not in log
 
 
 def test_extra_terms_read_nothing_back_to_the_host_between_log_steps(mirrored_single):
