@@ -1,13 +1,16 @@
 """The task seam (tasks.Task, docs/tasks.md), with real runs: the docs' worked example, run as written
 on 2 DDP processes, learns and logs its extra terms at exactly the log steps; a model called twice
-per micro-batch trains under DDP as one process does at the global batch, and under FSDP as under
-DDP; the extra terms are read back to the host at log steps only; a frozen module stays on the
-device, in eval mode and without gradients, outside the optimizer and the checkpoint, and a resume
-with another one is refused in one line; a class that isn't a Task is refused in one line.
+per micro-batch, with a head of the task's around it, trains under DDP as one process does at the
+global batch, and under FSDP as under DDP, the backbone's blocks sharded behind the head; the extra
+terms are read back to the host at log steps only; a file of a model with heads fine-tunes a plain
+model, warned of exactly what is skipped; a frozen module stays on the device, in eval mode and
+without gradients, outside the optimizer and the checkpoint, and a resume with another one is refused
+in one line; a class that isn't a Task is refused in one line.
 
 The tasks these tests train are defined here (`test_tasks.<Class>`, importable by the runs' processes
 through PYTHONPATH), with yamls in a conf dir of their own that the runs add to Hydra's search path."""
 
+import logging
 from pathlib import Path
 
 import pytest
@@ -20,6 +23,8 @@ from torch.optim.optimizer import register_optimizer_step_post_hook
 from conftest import (REPO, TINY, check, config_error_in_this_process, last_checkpoint, launch, results_of, run_dirs,
                       run_in_this_process, shared_run)
 from ddp.training.frozen import fingerprint
+from models import build_model
+from models.small_cnn import SmallCNN
 from tasks.classification import ClassificationTask
 
 TASKS_PAGE = REPO / "docs" / "tasks.md"
@@ -270,6 +275,28 @@ def test_extra_terms_read_nothing_back_to_the_host_between_log_steps(mirrored_si
     assert [read for read in reads if read[0] in QUIET_UPDATES] == []
     monitor_reads = [kind for step, kind, where in reads if step == 2 and where.startswith("ddp/reporting/monitor.py")]
     assert len(monitor_reads) >= 3, reads  # train/loss, train/ce, train/mirrored_ce
+
+
+# --- a file of a model with heads, into a plain model ---------------------------------------------
+
+def test_fine_tuning_from_a_file_with_heads_warns_of_the_heads_skipped_and_nothing_else(tmp_path, caplog):
+    """model.weights_path=<a file of WithAuxHead around small_cnn>, into small_cnn alone (task=classification):
+    the head kept the backbone's classifier, so all of backbone.* loads, the classifier too, and only aux is
+    skipped; the warning says so, and names no classifier starting fresh (task=simclr's, which takes the
+    classifier away: tests/test_simclr.py)."""
+    torch.manual_seed(1)
+    saved = MirroredTask(num_classes=10).with_heads(SmallCNN(10, 3, [8, 16])).state_dict()
+    torch.save({"model": saved}, tmp_path / "headed.pt")  # as our checkpoints hold it
+    model_cfg = OmegaConf.merge(OmegaConf.load(REPO / "conf" / "model" / "small_cnn.yaml"),
+                                {"channels": [8, 16], "weights_path": str(tmp_path / "headed.pt")})
+    torch.manual_seed(2)  # another initialisation: only a load gives the file's weights
+    with caplog.at_level(logging.WARNING):
+        loaded = build_model(model_cfg, num_classes=10, in_channels=3).state_dict()
+    backbone = {key.removeprefix("backbone."): value for key, value in saved.items() if key.startswith("backbone.")}
+    assert loaded.keys() == backbone.keys() and all(torch.equal(loaded[key], value) for key, value in backbone.items())
+    warnings = [record.getMessage() for record in caplog.records if record.levelno == logging.WARNING]
+    assert len(warnings) == 1 and "skipped its heads ['aux']" in warnings[0], warnings
+    assert "fresh" not in warnings[0] and "[]" not in warnings[0], warnings
 
 
 # --- frozen modules -------------------------------------------------------------------------------
