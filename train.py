@@ -48,15 +48,14 @@ from ddp.training.housekeeping import Housekeeping
 from ddp.training.optimizer import build_optimizer, build_scheduler, check_optimizer, check_schedule, scaled_lr
 from ddp.training.progress import Position, TrainingLength
 from ddp.training.update import UpdateStep
-from evaluate import evaluate_checkpoint
+from evaluate import evaluate_checkpoint, use_checkpoint_task
 from models import build_model
 from tasks import build_task
 
 
 @releases_process_groups  # before Python exits: a gloo thread still at work then aborts the rank
 def run(cfg: DictConfig, run_dir: Path, relaunch: str) -> dict:
-    """The whole run; returns the final metrics (also written to run_dir/results.json on rank 0).
-    `relaunch` is the command that continues it after an interruption."""
+    """The whole run; returns the final metrics (also run_dir/results.json on rank 0). `relaunch` continues it after an interruption."""
     env = DistEnv.from_environ()
     quiet_console_on_other_ranks(env)
     validate(cfg, launched=env.launched, world_size=env.world_size)  # the config, before anything starts or is written
@@ -84,9 +83,9 @@ def check_startup(cfg: DictConfig, run_dir: Path, *, world_size: int, restarted:
     process too, so no worker starts for a refused config. Returns (splits, task, length, model, resumed): the last 3 None in eval."""
     torch.manual_seed(cfg.seed)  # data, task and model: identical on every rank (same seed)
     splits = build_datasets(cfg.data)
+    if cfg.mode == "eval":  # nothing trains, so no data.views to check: evaluation's samples are one view each
+        return splits, build_task(cfg.task, splits.num_classes, splits.class_names, splits.in_channels, views=None), None, None, None
     task = build_task(cfg.task, splits.num_classes, splits.class_names, splits.in_channels, cfg.data.get("views", 1))
-    if cfg.mode == "eval":
-        return splits, task, None, None, None
     length = TrainingLength.of(cfg.trainer, len(splits.train), cfg.data.batch_size, world_size)
     check_schedule(cfg.scheduler, length.total_updates, length.updates_per_epoch)
     model = build_model(cfg.model, splits.num_classes, splits.in_channels, with_heads=task.with_heads)
@@ -234,6 +233,7 @@ def main(cfg: DictConfig) -> float:
     run_dir, env = Path(hydra_cfg.runtime.output_dir), DistEnv.from_environ()
     relaunch = resume_command(sys.argv[0], list(hydra_cfg.overrides.task), env.local_world_size if env.launched else None, run_dir)
     try:
+        use_checkpoint_task(cfg, run_dir, list(hydra_cfg.overrides.task))  # mode=eval: the checkpoint's task, as its model
         if cfg.strategy.name in MULTI_PROCESS and not env.launched and (nproc := cfg.strategy.nproc_per_node) > 0:
             validate(cfg, launched=True, world_size=nproc)  # fail here, not in N workers
             check_startup(cfg, run_dir, world_size=nproc, restarted=False)

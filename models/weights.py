@@ -2,8 +2,9 @@
 conversion and wrapping. Nothing is downloaded, and nothing pickled is run.
 
 A file of a model with task heads (Task.with_heads: a task=simclr checkpoint, keys backbone.*,
-projector.*, probe.*) loads its backbone.* into the model= config's model, whose classifier the file
-lacks and which starts fresh; build_model then loads the heads into a task that has them (load_heads)."""
+projector.*, probe.*) loads its backbone.* into the model= config's model; where the task took the
+backbone's classifier away (as task=simclr does), the file lacks it and it starts fresh. build_model
+then loads the heads into a task that has them (load_heads)."""
 
 import logging
 from pathlib import Path
@@ -44,10 +45,10 @@ def load_weights(model: nn.Module, path: str, num_classes: int) -> None:
     if head:
         log.warning("model.weights_path=%s: skipped the classifier head %s (the file's has another number of classes "
                     "than this data's %d): it starts from a fresh initialisation", path, head, num_classes)
-    if task_heads:
-        log.warning("model.weights_path=%s: loaded the backbone of a model with task heads (its backbone.*), skipped "
-                    "its heads %s (a task that has them loads them); the classifier %s, which the file lacks, starts "
-                    "from a fresh initialisation", path, task_heads, fresh)
+    if task_heads:  # the classifier starts fresh only where the task took the backbone's away (task=simclr)
+        log.warning("model.weights_path=%s: loaded the backbone of a model with task heads (its backbone.*) and skipped "
+                    "its heads %s (a task that has them loads them)%s", path, task_heads,
+                    f"; the classifier {fresh}, which the file lacks, starts from a fresh initialisation" if fresh else "")
     log.info("loaded weights from %s", path)
 
 

@@ -104,10 +104,10 @@ class Task:
 
 
 def build_task(task_cfg, num_classes: int, class_names: list[str] | None, in_channels: int | None = None,
-               views: int = 1) -> Task:
+               views: int | None = 1) -> Task:
     """Call task._target_ with the data's num_classes and class_names (None where it names none), its
     in_channels where the constructor takes them, and its options; the data's views (per training
-    sample, data.views) must be the task's."""
+    sample, data.views) must be the task's. `views` None: nothing trains (mode=eval), so none are checked."""
     options = builder_options(task_cfg, "task")
     data = {"num_classes": num_classes, "class_names": class_names}
     if "in_channels" in inspect.signature(_locate(options["_target_"])).parameters:
@@ -115,7 +115,7 @@ def build_task(task_cfg, num_classes: int, class_names: list[str] | None, in_cha
     task = instantiate_checked(options, "task", **data)
     if not isinstance(task, Task):
         raise ConfigError(f"task._target_={options['_target_']}: not a task; subclass tasks.Task (docs/tasks.md)")
-    if views != task.views:
+    if views is not None and views != task.views:
         raise ConfigError(f"data.views={views}: {type(task).__name__} trains on {task.views} view(s) of each sample; "
                           f"set data.views={task.views}")
     return task

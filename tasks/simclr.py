@@ -68,16 +68,6 @@ class SimCLRModel(nn.Module):
         # backbone's pooled features vary little around their mean, and a bare Linear on them learns slowly
         self.probe = nn.Sequential(nn.BatchNorm1d(features, affine=False), nn.Linear(features, num_classes))
 
-    # strategy=fsdp shards the blocks that the backbone names (ddp/distributed/fsdp.py find_blocks); an
-    # AttributeError where it names none, so that find_blocks falls back as for the bare backbone
-    @property
-    def fsdp_block_types(self) -> tuple[str, ...]:
-        return self.backbone.fsdp_block_types
-
-    @property
-    def blocks(self) -> nn.Module:  # timm's transformers keep theirs in `blocks`
-        return self.backbone.blocks
-
     def forward(self, images: torch.Tensor) -> dict[str, torch.Tensor]:
         features = self.backbone(images)
         return {"projection": self.projector(features), "logits": self.probe(features.detach())}

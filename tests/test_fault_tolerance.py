@@ -361,17 +361,21 @@ FULL_DISK_RUN = ["data=synthetic", "data.num_val_samples=8", "data.image_size=8"
     ("python", 1, ["strategy=single"]),
     ("torchrun --nproc_per_node=2", 2, ["strategy=ddp"]),
     ("python", 2, ["strategy=ddp", "strategy.nproc_per_node=2"]),  # self-launched: the launcher prints the line
-])
+    ("torchrun --nproc_per_node=2", 2, ["strategy=fsdp"]),  # every rank writes its shards into one dir
+], ids=["python", "torchrun", "self-launched", "fsdp"])
 def test_a_full_disk_at_a_save_is_one_line_with_the_command_that_resumes_once_space_is_freed(tmp_path, launch, ranks, strategy):
     """A real full disk at the step-8 save: torch's own error hides the errno ("unexpected pos ..."),
     yet the run ends with exit 1 and one line naming the path, the cause, the free space and the
     command that resumes, on every rank under torchrun (rank 0 saves; the others get its word instead
-    of a lost peer), once by a self-launching process; the step-4 checkpoint is intact and no temp
-    file is left. Once space is freed, that command continues the run to its end (run for one process)."""
+    of a lost peer; under fsdp, DCP tells every rank of any rank's failed shard), once by a self-launching
+    process; the step-4 checkpoint is intact and no temp file or dir is left. Once space is freed, that
+    command continues the run to its end (run for one process, and for fsdp's sharded checkpoint)."""
+    sharded = "strategy=fsdp" in strategy
+    suffix = "" if sharded else ".pt"  # a sharded checkpoint is a dir
     namespace = ["unshare", "--mount"] if os.geteuid() == 0 else ["unshare", "--user", "--map-root-user", "--mount"]
     env = _clean_env() | {"PATH": f"{Path(sys.executable).parent}{os.pathsep}{os.environ['PATH']}", "TRAIN": str(TRAIN),
                           "OUT": str(tmp_path), "LAUNCH": launch,
-                          "RESUME": str(int(ranks == 1))}
+                          "RESUME": str(int(ranks == 1 or sharded))}
     script = subprocess.run([*namespace, "bash", "-c", FULL_DISK_SCRIPT, "full-disk", *FULL_DISK_RUN,
                              f"data.num_samples={96 * ranks}", *strategy], cwd=tmp_path, env=env, capture_output=True, text=True, timeout=180)
     error = (tmp_path / "full.err").read_text() if (tmp_path / "full.err").exists() else ""
@@ -384,15 +388,15 @@ def test_a_full_disk_at_a_save_is_one_line_with_the_command_that_resumes_once_sp
         assert error.splitlines() == lines  # nothing else: no traceback, no torch enforce message
     assert "inline_container" not in error and "Connection reset" not in error, error[-8000:]
     (run_dir,) = run_dirs(tmp_path / "left")
-    assert re.fullmatch(rf"error: saving {tmp_path}/disk/outputs/{run_dir.name}/checkpoints/step-00000008.pt failed: "
+    assert re.fullmatch(rf"error: saving {tmp_path}/disk/outputs/{run_dir.name}/checkpoints/step-00000008{suffix} failed: "
                         r"no space left on device \(\S+ has \d+\.\d MB free, and the save needs more than the \d+\.\d MB it "
                         rf"wrote\); what was saved before is intact: free some space, then continue with  {launch} \S+/train.py "
                         rf".*checkpoint.keep_best=0 data.num_samples={96 * ranks} {' '.join(strategy)} resume=outputs/{run_dir.name}", lines[0]), lines[0]
     checkpoints = run_dir / "checkpoints"
-    assert sorted(path.name for path in checkpoints.iterdir()) == ["last.pt", "step-00000004.pt"]
-    assert load_checkpoint(checkpoints / "last.pt")["global_step"] == 4
-    if ranks > 1:
-        return  # a resume with 2 ranks is no different (the killed runs above): one process runs the printed command
+    assert sorted(path.name for path in checkpoints.iterdir()) == ([] if sharded else ["last.pt"]) + [f"step-00000004{suffix}"]
+    assert load_checkpoint(checkpoints / f"step-00000004{suffix}")["global_step"] == 4
+    if ranks > 1 and not sharded:
+        return  # a resume with 2 DDP ranks is no different (the killed runs above): one process runs the printed command
     assert (tmp_path / "resumed.rc").read_text().strip() == "0", (tmp_path / "resumed.err").read_text()[-4000:]
     (resumed,) = run_dirs(tmp_path / "resumed")
     assert resumed.name == run_dir.name and json.loads((resumed / "results.json").read_text())["steps"] == 12

@@ -228,6 +228,16 @@ def test_empty_block_types_shard_the_whole_model_as_one_unit_that_trains_as_one_
         torch.testing.assert_close(sharded[key], expected, msg=lambda m, key=key: f"{key}: {m}")
 
 
+def test_a_model_in_which_no_block_is_found_is_warned_of_naming_strategy_block_types(fsdp_parts):
+    """No fsdp_block_types, no module of a known family, no timm blocks: the root is the one unit, gathered
+    whole for every forward (the most memory), and a warning says so, naming the key that names the blocks;
+    strategy.block_types=[], which asks for that, is not warned of."""
+    warnings = json.loads((fsdp_parts / "unit_warnings.json").read_text())
+    assert len(warnings["found_none"]) == 1, warnings
+    assert "no block to shard found in Sequential" in warnings["found_none"][0] and "strategy.block_types=[" in warnings["found_none"][0]
+    assert warnings["asked_for_none"] == []
+
+
 def test_an_inf_in_one_ranks_gradient_shard_skips_the_fp16_update_on_every_rank(fsdp_parts):
     """precision=16 under fsdp (ShardedGradScaler): rank 1's gradient shard holds an inf in the second
     update, so every rank skips it (its shards unchanged) and halves its loss scale alike; a scaler

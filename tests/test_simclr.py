@@ -1,7 +1,8 @@
 """task=simclr (tasks/simclr.py) end to end, with real processes (torchrun, gloo, a Hydra multirun):
 NT-Xent equals the paper's formula; 2 ranks x 8 with SyncBN, under DDP and FSDP, train what 1 process
 x 16 does, and only with the negatives gathered from every rank; the online probe learns; mode=eval is
-exact at 1 and 3 ranks; a resume from a mid-epoch checkpoint, with the views' augmentation on, ends
+exact at 1 and 3 ranks, takes the checkpoint's task without task= (or data.views), and names task when
+another task's heads don't fit; a resume from a mid-epoch checkpoint, with the views' augmentation on, ends
 bit-identical; the backbone (also exported from FSDP's sharded checkpoint) loads through
 model.weights_path, its features are learned and it fine-tunes; the heads load with task=simclr; bad
 settings are one line each. Runs that several tests read are fixtures shared by the test processes
@@ -25,6 +26,7 @@ from data.digits import build_digits
 from ddp.checkpoints.export import export_model
 from ddp.checkpoints.sharded_checkpoint import full_model_state
 from ddp.config.schema import ConfigError, register_configs
+from ddp.distributed.fsdp import find_blocks
 from models import build_model
 from models.weights import find_classifier
 from models.small_cnn import SmallCNN
@@ -108,7 +110,7 @@ def test_the_heads_go_around_the_backbone_with_clean_keys_and_the_probe_trains_o
     model = task.with_heads(SmallCNN(num_classes=10, in_channels=1, channels=[8, 16]))
     assert {key.split(".")[0] for key in model.state_dict()} == {"backbone", "projector", "probe"}
     assert not any(key.startswith("backbone.head.3") for key in model.state_dict())  # the classifier
-    assert model.fsdp_block_types == SmallCNN.fsdp_block_types
+    assert {type(block).__name__ for block in find_blocks(model, None)} == set(SmallCNN.fsdp_block_types)  # FSDP's units
     views = torch.randn(4, 1, 8, 8), torch.randn(4, 1, 8, 8)
     terms = task.training_step(model, (views, torch.tensor([0, 1, 2, 3])))
     assert terms["loss"] == terms["contrastive_loss"] + terms["probe_loss"]
@@ -319,20 +321,22 @@ def test_the_probe_rises_well_above_chance_and_every_loss_term_is_logged(pretrai
 
 @pytest.fixture(scope="module")
 def evaluated(pretrained, tmp_path_factory) -> dict:
-    """mode=eval of the pretraining run's last.pt in one process (train.run in this one) and on 3 ranks
-    (torchrun): {world size: its results}."""
+    """mode=eval of the pretraining run's last.pt in one process (train.run in this one, with task=simclr)
+    and on 3 ranks (torchrun, with no task=: the checkpoint's), neither with data.views=2: {world size: its
+    results, "overrides": the 3 ranks' command line, as Hydra recorded it}."""
     def produce(cwd) -> dict:
-        args = ["mode=eval", *DIGITS, f"resume={pretrained}"]
+        args = ["mode=eval", "data=digits", "data.num_workers=0", f"resume={pretrained}"]
         with pytest.MonkeyPatch.context() as monkeypatch:
             monkeypatch.chdir(cwd)
-            one = run_in_this_process(["strategy=single", *args], cwd / "1")
+            one = run_in_this_process(["strategy=single", "task=simclr", *args], cwd / "1")
         (cwd / "3").mkdir()
         check(launch(["strategy=ddp", *args], cwd / "3", nproc=3, timeout=240))
         (three,) = (cwd / "3" / "outputs").rglob("eval.json")
-        return {"1": one, "3": json.loads(three.read_text())}
+        overrides = (three.parent / ".hydra" / "overrides.yaml").read_text()
+        return {"1": one, "3": json.loads(three.read_text()), "overrides": overrides}
 
     _, results = shared_run("simclr_eval", produce, tmp_path_factory)
-    return {int(world_size): value for world_size, value in results.items()}
+    return {"overrides": results.pop("overrides")} | {int(world_size): value for world_size, value in results.items()}
 
 
 def test_mode_eval_of_the_probe_is_exact_at_1_and_3_ranks(pretrained, evaluated):
@@ -346,6 +350,30 @@ def test_mode_eval_of_the_probe_is_exact_at_1_and_3_ranks(pretrained, evaluated)
     assert one["val_accuracy"] == three["val_accuracy"] == training["val_accuracy"]
     assert three["val_loss"] == pytest.approx(one["val_loss"], rel=1e-6)
     assert one["val_loss"] == pytest.approx(training["val_loss"], rel=1e-6)
+
+
+def test_mode_eval_takes_the_checkpoints_task_as_its_model_and_needs_no_data_views(pretrained, evaluated):
+    """`mode=eval resume=<run dir>` names no task: the model with its heads and the task are the checkpoint's,
+    so the 3 ranks report the probe's val_accuracy, the training run's. Naming task=simclr (one process) needs
+    no data.views=2: evaluation's samples are one view each."""
+    keys = [line.removeprefix("- ").split("=")[0] for line in evaluated["overrides"].splitlines()]
+    assert not [key for key in keys if key.startswith(("task", "data.views"))], keys
+    assert evaluated[3]["val_accuracy"] == evaluated[1]["val_accuracy"] == results_of(pretrained)["val_accuracy"]
+
+
+@pytest.mark.parametrize("task, given, trained", [
+    (["task=classification"], "task._target_=tasks.classification.ClassificationTask", "task._target_=tasks.simclr.SimCLRTask"),
+    (["task=simclr", "task.projection_dim=64"], "task.projection_dim=64", "task.projection_dim=128"),
+], ids=["another task", "other heads"])
+def test_mode_eval_with_another_task_than_the_checkpoints_names_task(task, given, trained, pretrained, tmp_path, monkeypatch):
+    """A task named on the command line that builds the model with other heads than the checkpoint's (none, or
+    another projection): the one line names the task's keys that differ, the keys to change, not model.* (the
+    model is the checkpoint's own), and the fix."""
+    monkeypatch.chdir(tmp_path)
+    line = config_error_in_this_process(["mode=eval", *task, "data=digits", f"resume={pretrained}"], tmp_path / "eval")
+    assert line.startswith(f"{given}: "), line
+    assert f"was trained with {trained}, whose heads this task's model doesn't match (" in line, line
+    assert "drop task= and task.*" in line and "model.*" not in line, line
 
 
 # --- resume: bit-identical, with the views' augmentation drawn from checkpointed RNGs ------------------------

@@ -1,15 +1,18 @@
 """The task seam (tasks.Task, docs/tasks.md), with real runs: the docs' worked example, run as written
 on 2 DDP processes, learns and logs its extra terms at exactly the log steps; a model called twice
-per micro-batch trains under DDP as one process does at the global batch, and under FSDP as under
-DDP; the extra terms are read back to the host at log steps only; a frozen module stays on the
-device, in eval mode and without gradients, outside the optimizer and the checkpoint, and a resume
-with another one is refused in one line, and one the task changes stops the run at its save in one line;
-a training step's dict without "loss", or with a term named like a loop scalar, is one line at the first
-step; a class that isn't a Task is refused in one line.
+per micro-batch, with a head of the task's around it, trains under DDP as one process does at the
+global batch, and under FSDP as under DDP, the backbone's blocks sharded behind the head; the extra
+terms are read back to the host at log steps only; a file of a model with heads fine-tunes a plain
+model, warned of exactly what is skipped; a frozen module stays on the device, in eval mode and
+without gradients, outside the optimizer and the checkpoint, and a resume with another one is refused
+in one line, and one the task changes stops the run at its save in one line; a training step's dict
+without "loss", or with a term named like a loop scalar, is one line at the first step; a class that
+isn't a Task is refused in one line.
 
 The tasks these tests train are defined here (`test_tasks.<Class>`, importable by the runs' processes
 through PYTHONPATH), with yamls in a conf dir of their own that the runs add to Hydra's search path."""
 
+import logging
 from pathlib import Path
 
 import pytest
@@ -22,6 +25,8 @@ from torch.optim.optimizer import register_optimizer_step_post_hook
 from conftest import (REPO, TINY, check, config_error_in_this_process, last_checkpoint, launch, results_of, run_dirs,
                       run_in_this_process, shared_run)
 from ddp.training.frozen import fingerprint
+from models import build_model
+from models.small_cnn import SmallCNN
 from tasks.classification import ClassificationTask
 
 TASKS_PAGE = REPO / "docs" / "tasks.md"
@@ -33,9 +38,31 @@ TESTS_ON_PATH = {"PYTHONPATH": str(REPO / "tests")}
 
 # --- tasks of the tests' own ----------------------------------------------------------------------
 
+class WithAuxHead(nn.Module):
+    """A task's head around the model= config's model (Task.with_heads): its logits refined by an auxiliary
+    head, keys backbone.* and aux.*. Like a user's, it doesn't repeat the backbone's fsdp_block_types."""
+
+    def __init__(self, backbone: nn.Module, num_classes: int):
+        super().__init__()
+        self.backbone = backbone
+        self.aux = nn.Sequential(nn.ReLU(), nn.Linear(num_classes, num_classes))
+
+    def forward(self, images):
+        logits = self.backbone(images)
+        return logits + self.aux(logits)
+
+
 class MirroredTask(ClassificationTask):
     """Two forwards of the model per micro-batch, both without randomness: the cross-entropy of the
-    images and of their mirror images, averaged. Each forward's gradient counts as much as the other's."""
+    images and of their mirror images, averaged. Each forward's gradient counts as much as the other's.
+    The model trained is the backbone with an auxiliary head (WithAuxHead)."""
+
+    def __init__(self, num_classes: int, class_names: list[str] | None = None):
+        super().__init__(num_classes, class_names=class_names)
+        self.num_classes = num_classes
+
+    def with_heads(self, backbone):
+        return WithAuxHead(backbone, self.num_classes)
 
     def training_step(self, model, batch):
         images, labels = batch
@@ -236,18 +263,36 @@ def test_two_forwards_per_micro_batch_train_2_ddp_ranks_as_one_process_at_the_gl
     assert results_of(mirrored_ddp)["replicas_identical"] is True
 
 
-def test_two_forwards_per_micro_batch_train_under_fsdp_as_under_ddp(mirrored_ddp, tmp_path):
+@pytest.fixture(scope="module")
+def mirrored_fsdp(tmp_path_factory) -> Path:
+    """MIRRORED under torchrun, 2 FSDP ranks, once for all test processes: its run dir."""
+    def produce(cwd: Path) -> dict:
+        check(launch([with_test_tasks(cwd / "conf"), "strategy=fsdp", *MIRRORED], cwd, nproc=2, env=TESTS_ON_PATH))
+        return {}
+
+    (run_dir,) = run_dirs(shared_run("tasks_mirrored_fsdp", produce, tmp_path_factory)[0])
+    return run_dir
+
+
+def test_two_forwards_per_micro_batch_train_under_fsdp_as_under_ddp(mirrored_ddp, mirrored_fsdp):
     """FSDP2 gathers the parameters for each forward and reduce-scatters the gradient of both after
     the backward: 2 sharded ranks end with DDP's weights, within float noise, and its val accuracy."""
     from ddp.checkpoints.sharded_checkpoint import full_model_state
 
-    check(launch([with_test_tasks(tmp_path / "conf"), "strategy=fsdp", *MIRRORED], tmp_path, nproc=2, env=TESTS_ON_PATH))
-    (fsdp_dir,) = run_dirs(tmp_path)
-    fsdp, ddp = full_model_state(fsdp_dir / "checkpoints" / "step-00000008"), last_checkpoint(mirrored_ddp)["model"]
+    fsdp, ddp = full_model_state(mirrored_fsdp / "checkpoints" / "step-00000008"), last_checkpoint(mirrored_ddp)["model"]
     assert fsdp.keys() == ddp.keys()
     for key, value in ddp.items():
         torch.testing.assert_close(fsdp[key], value, msg=lambda m, key=key: f"{key}: {m}")
-    assert results_of(fsdp_dir)["val_accuracy"] == results_of(mirrored_ddp)["val_accuracy"]
+    assert results_of(mirrored_fsdp)["val_accuracy"] == results_of(mirrored_ddp)["val_accuracy"]
+
+
+def test_fsdp_shards_the_backbones_blocks_behind_the_tasks_head(mirrored_fsdp):
+    """WithAuxHead hides small_cnn's fsdp_block_types; FSDP finds them inside it: each Conv2d and Linear
+    (small_cnn's 2 convolutions and classifier, the head's Linear) is a unit of its own, not the whole
+    model one unit (0 blocks, the most memory) as before, which would also be warned of."""
+    log = (mirrored_fsdp / "train_rank0.log").read_text()
+    assert "fsdp: 4 block(s) sharded, then the root" in log, log
+    assert "no block to shard" not in log
 
 
 def test_extra_terms_read_nothing_back_to_the_host_between_log_steps(mirrored_single):
@@ -258,6 +303,28 @@ def test_extra_terms_read_nothing_back_to_the_host_between_log_steps(mirrored_si
     assert [read for read in reads if read[0] in QUIET_UPDATES] == []
     monitor_reads = [kind for step, kind, where in reads if step == 2 and where.startswith("ddp/reporting/monitor.py")]
     assert len(monitor_reads) >= 3, reads  # train/loss, train/ce, train/mirrored_ce
+
+
+# --- a file of a model with heads, into a plain model ---------------------------------------------
+
+def test_fine_tuning_from_a_file_with_heads_warns_of_the_heads_skipped_and_nothing_else(tmp_path, caplog):
+    """model.weights_path=<a file of WithAuxHead around small_cnn>, into small_cnn alone (task=classification):
+    the head kept the backbone's classifier, so all of backbone.* loads, the classifier too, and only aux is
+    skipped; the warning says so, and names no classifier starting fresh (task=simclr's, which takes the
+    classifier away: tests/test_simclr.py)."""
+    torch.manual_seed(1)
+    saved = MirroredTask(num_classes=10).with_heads(SmallCNN(10, 3, [8, 16])).state_dict()
+    torch.save({"model": saved}, tmp_path / "headed.pt")  # as our checkpoints hold it
+    model_cfg = OmegaConf.merge(OmegaConf.load(REPO / "conf" / "model" / "small_cnn.yaml"),
+                                {"channels": [8, 16], "weights_path": str(tmp_path / "headed.pt")})
+    torch.manual_seed(2)  # another initialisation: only a load gives the file's weights
+    with caplog.at_level(logging.WARNING):
+        loaded = build_model(model_cfg, num_classes=10, in_channels=3).state_dict()
+    backbone = {key.removeprefix("backbone."): value for key, value in saved.items() if key.startswith("backbone.")}
+    assert loaded.keys() == backbone.keys() and all(torch.equal(loaded[key], value) for key, value in backbone.items())
+    warnings = [record.getMessage() for record in caplog.records if record.levelno == logging.WARNING]
+    assert len(warnings) == 1 and "skipped its heads ['aux']" in warnings[0], warnings
+    assert "fresh" not in warnings[0] and "[]" not in warnings[0], warnings
 
 
 # --- frozen modules -------------------------------------------------------------------------------

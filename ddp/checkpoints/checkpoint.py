@@ -53,19 +53,26 @@ def save_checkpoint(state: dict[str, Any], path: Path) -> None:
         os.replace(tmp_name, path)
     except BaseException as error:
         written_mb = os.stat(tmp_name).st_size / 2**20 if os.path.exists(tmp_name) else 0.0
-        full = _no_space_left(error, path.parent)  # asked before the temp file's removal frees its space
+        full = no_space_left(error, path.parent)  # asked before the temp file's removal frees its space
         Path(tmp_name).unlink(missing_ok=True)
-        free_mb = shutil.disk_usage(path.parent).free / 2**20
         if full:
-            raise DiskFull(f"saving {path} failed: no space left on device ({path.parent} has {free_mb:.1f} MB free, and "
-                           f"the save needs more than the {written_mb:.1f} MB it wrote); what was saved before is intact") from None
+            raise disk_full(path, written_mb) from None
         if isinstance(error, RuntimeError):  # torch hides the errno ("unexpected pos ..." on a full disk)
+            free_mb = shutil.disk_usage(path.parent).free / 2**20
             raise RuntimeError(f"saving {path} failed, the previous checkpoint is intact ({free_mb:.0f} MB free): {error}") from error
         raise
     fsync_dir(path.parent)
 
 
-def _no_space_left(error: BaseException, directory: Path) -> bool:
+def disk_full(path: Path, written_mb: float) -> DiskFull:
+    """The one line of a save of `path` (a file, or a sharded checkpoint's dir) that ran out of space after writing
+    `written_mb`, whose partial files are removed: the free space it names is what a next save would find."""
+    free_mb = shutil.disk_usage(path.parent).free / 2**20
+    return DiskFull(f"saving {path} failed: no space left on device ({path.parent} has {free_mb:.1f} MB free, and "
+                    f"the save needs more than the {written_mb:.1f} MB it wrote); what was saved before is intact")
+
+
+def no_space_left(error: BaseException, directory: Path) -> bool:
     """Whether a failed write ran out of space. torch.save's own writer hides the errno ("[enforce fail
     at inline_container.cc] unexpected pos ..."), so a RuntimeError counts where the device has less
     than 1 MiB left: a write fails on a full disk with only a partial block free."""

@@ -47,8 +47,8 @@ class Checkpointer:
             keep_best_checkpoints(self.run_dir, self.best.kept_steps())
 
     def save(self, position: Position) -> None:
-        """A collective: every rank calls it at the same step. A full disk at rank 0's save raises
-        DiskFull on every rank, with rank 0's line."""
+        """A collective: every rank calls it at the same step. A full disk at the save (rank 0's file; under
+        fsdp, any rank's shards) raises DiskFull on every rank, with rank 0's line."""
         self.update.check_finite(position.global_step, self.raw_model)
         check_frozen_unchanged(self.update.task, self.frozen, position.global_step)  # what the checkpoint records is true
         rank_states = gather_rank_states(capture_rank_state(position.epoch_totals, self.cuda_devices))

@@ -147,16 +147,20 @@ def load_model_state(model: nn.Module, state_dict: dict[str, torch.Tensor], sour
 
 
 def check_state_fits(model: nn.Module, shapes: dict[str, torch.Size], source: Path) -> None:
-    """The checkpoint's tensors (`shapes`: name to shape) are exactly the model's, or a one-line error that
-    counts the missing, unexpected and reshaped keys and names the first few of each."""
+    """The checkpoint's tensors (`shapes`: name to shape) are exactly the model's, or a one-line error with state_misfit's count."""
+    if misfit := state_misfit(model, shapes):
+        raise ConfigError(f"resume: {source} does not fit this model (model.* differs from the checkpoint's): {misfit}")
+
+
+def state_misfit(model: nn.Module, shapes: dict[str, torch.Size]) -> str:
+    """How tensors of `shapes` (name to shape) differ from the model's: the missing, unexpected and reshaped keys
+    counted, the first few of each named; "" where they fit exactly."""
     own = {key: value.shape for key, value in model.state_dict().items()}
     missing = sorted(own.keys() - shapes.keys())
     unexpected = sorted(shapes.keys() - own.keys())
     reshaped = sorted(key for key in own.keys() & shapes.keys() if tuple(own[key]) != tuple(shapes[key]))
-    if missing or unexpected or reshaped:
-        kinds = ", ".join(_some(keys, kind) for keys, kind in ((missing, "missing"), (unexpected, "unexpected"),
-                                                              (reshaped, "reshaped")) if keys)
-        raise ConfigError(f"resume: {source} does not fit this model (model.* differs from the checkpoint's): {kinds}")
+    return ", ".join(_some(keys, kind) for keys, kind in ((missing, "missing"), (unexpected, "unexpected"),
+                                                         (reshaped, "reshaped")) if keys)
 
 
 def _some(keys: list[str], kind: str, shown: int = 3) -> str:

@@ -28,7 +28,8 @@ from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 
-from ddp.checkpoints.checkpoint import SHARDED_STATE, CheckpointError, check_sharded_index, checkpoint_dir, fsync_dir, save_checkpoint
+from ddp.checkpoints.checkpoint import (SHARDED_STATE, CheckpointError, DiskFull, check_sharded_index, checkpoint_dir, disk_full,
+                                        fsync_dir, no_space_left, save_checkpoint)
 from ddp.distributed.process_group import broadcast_buffers_from_rank_zero
 
 
@@ -36,7 +37,9 @@ def save_sharded_checkpoint(model: nn.Module, optimizer, state: dict[str, Any], 
                             keep_last: int) -> Path:
     """A collective: every rank writes its shards; rank 0 writes `state` and publishes `step-<step>/`,
     then keeps only the newest `keep_last` sharded checkpoints. The buffers saved are rank 0's (its
-    BatchNorm statistics, as a checkpoint file holds), whatever each rank's were."""
+    BatchNorm statistics, as a checkpoint file holds), whatever each rank's were. A full disk, at any
+    rank's shards or at rank 0's state, raises DiskFull (rank 0's line names the dir and the free space
+    once the unpublished temp dir is removed); the checkpoints published before are intact."""
     directory = checkpoint_dir(run_dir)
     final, tmp = directory / f"step-{step:08d}", directory / f".step-{step:08d}.tmp"
     is_main = dist.get_rank() == 0
@@ -48,9 +51,20 @@ def save_sharded_checkpoint(model: nn.Module, optimizer, state: dict[str, Any], 
     # FSDP doesn't shard buffers, and DCP writes one rank's copy of each, not necessarily rank 0's
     broadcast_buffers_from_rank_zero(model)
     model_state, optimizer_state = get_state_dict(model, optimizer)
-    dcp.save({"model": model_state, "optimizer": optimizer_state["state"]}, checkpoint_id=tmp)
+    try:
+        dcp.save({"model": model_state, "optimizer": optimizer_state["state"]}, checkpoint_id=tmp)
+    except CheckpointException as error:  # every rank gets every rank's failure, once all are done writing
+        full = any(no_space_left(failure, directory) for failure, _ in error.failures.values())
+        written_mb = _size_mb(tmp)
+        dist.barrier()  # every rank has looked at the free space and the temp dir before rank 0 removes it
+        if not full:
+            raise
+        raise _sharded_save_failed(final, tmp, written_mb, is_main) from None
     if is_main:
-        save_checkpoint({**state, "sharded": True, "optimizer_param_groups": optimizer_state["param_groups"]}, tmp / SHARDED_STATE)
+        try:
+            save_checkpoint({**state, "sharded": True, "optimizer_param_groups": optimizer_state["param_groups"]}, tmp / SHARDED_STATE)
+        except DiskFull:
+            raise _sharded_save_failed(final, tmp, _size_mb(tmp), is_main) from None
         if final.exists():  # saved before at this step (a resumed run): a dir is not replaced by a rename
             shutil.rmtree(final)
         os.replace(tmp, final)
@@ -58,6 +72,18 @@ def save_sharded_checkpoint(model: nn.Module, optimizer, state: dict[str, Any], 
         for old in sorted(p for p in directory.glob("step-*") if p.is_dir())[:-keep_last]:
             shutil.rmtree(old)
     return final
+
+
+def _sharded_save_failed(final: Path, tmp: Path, written_mb: float, is_main: bool) -> DiskFull:
+    """A sharded save out of space: rank 0 removes the temp dir (every rank's shards), which no resume would pick
+    but which holds the space; the line names the dir it would have published."""
+    if is_main:
+        shutil.rmtree(tmp, ignore_errors=True)
+    return disk_full(final, written_mb)
+
+
+def _size_mb(directory: Path) -> float:
+    return sum(path.stat().st_size for path in directory.rglob("*") if path.is_file()) / 2**20
 
 
 def load_sharded_state(path: Path, model: nn.Module, optimizer, param_groups: list[dict]) -> None:

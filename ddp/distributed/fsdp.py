@@ -36,17 +36,27 @@ KNOWN_BLOCK_TYPES = ("BasicBlock", "Bottleneck", "EncoderBlock", "CNBlock")
 
 def find_blocks(model: nn.Module, block_types: list[str] | None) -> list[nn.Module]:
     """The modules to shard one by one (outermost first), by class name: `block_types`
-    (strategy.block_types) if given, else the model's `fsdp_block_types`, else KNOWN_BLOCK_TYPES or
-    timm's `model.blocks`. An empty list: none, so the root is the one unit (shard_model)."""
-    names = block_types if block_types is not None else getattr(model, "fsdp_block_types", KNOWN_BLOCK_TYPES)
+    (strategy.block_types) if given, else the `fsdp_block_types` of the model or, behind a task's heads
+    (Task.with_heads), of the first module in it that names them (its backbone), else KNOWN_BLOCK_TYPES
+    or timm's `blocks` (the model's or its backbone's). An empty list: none, so the root is the one unit
+    (shard_model)."""
+    names = block_types if block_types is not None else _named_block_types(model)
     blocks = [module for module in model.modules() if type(module).__name__ in names and module is not model]
     if block_types and not blocks:
         present = sorted({type(module).__name__ for module in model.modules()} - {type(model).__name__})
         raise ConfigError(f"strategy.block_types={list(block_types)}: {type(model).__name__} has no module of these "
                           f"classes; pick from {', '.join(present)}, or strategy.block_types=null")
-    if block_types is None and not blocks and isinstance(getattr(model, "blocks", None), (nn.Sequential, nn.ModuleList)):
-        blocks = list(model.blocks)
+    if block_types is None and not blocks:  # the model's or its backbone's only: a timm ConvNeXt's stages hold `blocks` too
+        timm_blocks = (getattr(module, "blocks", None) for module in (model, getattr(model, "backbone", None)))
+        blocks = list(next((found for found in timm_blocks if isinstance(found, (nn.Sequential, nn.ModuleList))), []))
     return blocks
+
+
+def _named_block_types(model: nn.Module) -> tuple[str, ...]:
+    """The block classes that the model names (fsdp_block_types), or the first module in it that does: a
+    task's heads around a backbone hide the backbone's attribute, not its modules. KNOWN_BLOCK_TYPES if none."""
+    named = (getattr(module, "fsdp_block_types", None) for module in model.modules())
+    return next((names for names in named if names is not None), KNOWN_BLOCK_TYPES)
 
 
 def check_blocks(model: nn.Module, strategy_cfg) -> None:
@@ -73,7 +83,7 @@ def shard_model(model: nn.Module, strategy_cfg, device: torch.device, precision:
         raise RuntimeError("strategy=fsdp: the ranks built different initial weights, and each would keep its slice "
                            "of its own; the model's initialisation must not depend on the rank")
     mesh = device_mesh(device.type)
-    blocks = find_blocks(model, strategy_cfg.block_types)
+    blocks, model_class = find_blocks(model, strategy_cfg.block_types), type(model).__name__  # fully_shard renames the class
     low = LOW_PRECISION.get(precision)
     block_policy = MixedPrecisionPolicy(param_dtype=low, reduce_dtype=torch.float32 if low else None)
     shard = {"mesh": mesh, "reshard_after_forward": strategy_cfg.reshard_after_forward}
@@ -94,4 +104,8 @@ def shard_model(model: nn.Module, strategy_cfg, device: torch.device, precision:
                 module.set_force_sum_reduction_for_comms(True)
     log.info("fsdp: %d block(s) sharded, then the root, over %d ranks (reshard_after_forward=%s, precision=%s)",
              len(blocks), mesh.size(), strategy_cfg.reshard_after_forward, precision)
+    if not blocks and strategy_cfg.block_types is None:  # strategy.block_types=[] asks for this; nothing else should
+        log.warning("fsdp: no block to shard found in %s (no fsdp_block_types, no module of %s, no timm blocks): the whole "
+                    "model is one unit, gathered whole on every rank for each forward and backward, the most memory; "
+                    "name its repeated blocks' classes with strategy.block_types=[...]", model_class, "/".join(KNOWN_BLOCK_TYPES))
     return model

@@ -6,6 +6,8 @@ given as argument:
 - sharded in bf16: the dtypes its layers compute in (rank 0, `bf16_dtypes.json`);
 - strategy.block_types=[]: its FSDP units, and its full weights after one SGD step on a batch that
   every rank holds alike (rank 0, `root_alone.json`, `root_alone.pt`);
+- what sharding warns of, for a model in which no block is found and for strategy.block_types=[]
+  (rank 0, `unit_warnings.json`);
 - fp16 updates through UpdateStep, in the second of which rank 1's gradient shard holds an inf: each
   rank's loss scale after each update and whether its shards changed (`inf_rank<R>.json`);
 - a sharded save after each rank normalised its own batch (BatchNorm statistics that differ, as
@@ -14,6 +16,7 @@ given as argument:
 """
 
 import json
+import logging
 import sys
 from pathlib import Path
 
@@ -21,6 +24,7 @@ import torch
 import torch.distributed as dist
 from omegaconf import OmegaConf
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+from torch import nn
 from torch.distributed.fsdp import FSDPModule
 
 from ddp.checkpoints.sharded_checkpoint import save_sharded_checkpoint
@@ -93,6 +97,20 @@ def root_alone(out: Path, rank: int) -> None:
         torch.save(full, out / "root_alone.pt")
 
 
+def unit_warnings(out: Path, rank: int) -> None:
+    warnings = []
+    handler = logging.Handler(logging.WARNING)
+    handler.emit = lambda record: warnings.append(record.getMessage())
+    logging.getLogger("ddp.distributed.fsdp").addHandler(handler)
+    torch.manual_seed(0)
+    shard_model(nn.Sequential(nn.Flatten(), nn.Linear(3 * 8 * 8, 10)), STRATEGY, CPU, "32")  # no class of a block
+    found_none = list(warnings)
+    small_cnn(block_types=[])
+    logging.getLogger("ddp.distributed.fsdp").removeHandler(handler)
+    if rank == 0:
+        (out / "unit_warnings.json").write_text(json.dumps({"found_none": found_none, "asked_for_none": warnings[len(found_none):]}))
+
+
 def inf_on_one_rank(out: Path, rank: int) -> None:
     model = small_cnn(precision="16")
     update = UpdateStep(model, torch.optim.SGD(model.parameters(), lr=0.1), task=ClassificationTask(10),
@@ -126,7 +144,7 @@ def buffers_saved(out: Path, rank: int) -> None:
 def main(out: Path) -> None:
     dist.init_process_group("gloo")
     rank = dist.get_rank()
-    for part in (initial_weights, bf16_dtypes, root_alone, inf_on_one_rank, buffers_saved):
+    for part in (initial_weights, bf16_dtypes, root_alone, unit_warnings, inf_on_one_rank, buffers_saved):
         part(out, rank)
     dist.barrier()
     dist.destroy_process_group()
