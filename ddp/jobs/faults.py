@@ -62,13 +62,15 @@ class SampleRecorder:
         self.path.parent.mkdir(parents=True, exist_ok=True)
         self.batch_size = batch_size
 
-    def start_epoch(self, sampler, epoch: int) -> Callable[[int, int], None]:
-        """The epoch's `record_batch(batch_index, step)`. The loader batches the sampler's indices in
-        order (no drop_last), so batch i holds indices[i * batch_size:(i + 1) * batch_size]."""
+    def start_epoch(self, sampler, epoch: int, first_batch: int) -> Callable[[int, int], None]:
+        """The epoch's `record_batch(batch_index, step)`, for a loader whose first batch is the epoch's
+        `first_batch`-th (a resume's). The loader batches the sampler's indices in order (no
+        drop_last), so batch i holds indices[(i - first_batch) * batch_size:][:batch_size]."""
         indices = list(sampler)
 
         def record_batch(batch_index: int, step: int) -> None:
-            ids = indices[batch_index * self.batch_size:(batch_index + 1) * self.batch_size]
+            start = (batch_index - first_batch) * self.batch_size
+            ids = indices[start:start + self.batch_size]
             with open(self.path, "a") as f:  # whole lines, even if the process is killed next
                 f.write(json.dumps({"epoch": epoch, "step": step, "batch": batch_index, "ids": ids}) + "\n")
 

@@ -12,7 +12,7 @@ import random
 
 import numpy as np
 import torch
-from torch.utils.data import Dataset, get_worker_info
+from torch.utils.data import Dataset, TensorDataset, get_worker_info
 
 MASK_64 = (1 << 64) - 1
 VALIDATION_EPOCH = -1  # a split with no epochs: the same draws at every validation
@@ -36,16 +36,20 @@ class SeededSamples(Dataset):
     worker nothing else draws from these RNGs. In the main process (data.num_workers=0) the training
     step draws from torch's (dropout, MixUp), so its state is put back after the sample; Python's and
     numpy's are left as the sample's draws leave them (the recipe draws nothing from them, and putting
-    numpy's back would cost more than the seeding)."""
+    numpy's back would cost more than the seeding). A TensorDataset only indexes its tensors: it draws
+    nothing, and isn't seeded (about 15 us a sample, a tenth of a framework-bound step's time at batch 32)."""
 
     def __init__(self, dataset: Dataset, seed: int, epoch: int = VALIDATION_EPOCH):
         self.dataset, self.seed, self.epoch = dataset, seed, epoch
         self.collate_fn = getattr(dataset, "collate_fn", None)  # the loaders' and one_sample_batch's
+        self.draws = not isinstance(dataset, TensorDataset)
 
     def __len__(self) -> int:
         return len(self.dataset)
 
     def __getitem__(self, index: int):
+        if not self.draws:
+            return self.dataset[index]
         seed = sample_seed(self.seed, self.epoch, index)
         in_main_process = get_worker_info() is None
         torch_state = torch.default_generator.get_state() if in_main_process else None

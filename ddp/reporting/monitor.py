@@ -33,6 +33,7 @@ class RunMonitor:
     def __init__(self, ctx: RunContext, trained_module: torch.nn.Module, length, *, start_step: int, resumed: bool):
         trainer_cfg, env, device = ctx.cfg.trainer, ctx.env, ctx.device
         self.log_every_n_steps, self.fault_cfg, self.env, self.device = trainer_cfg.log_every_n_steps, ctx.cfg.fault, env, device
+        self.fault_at_step = ctx.cfg.fault.at_step
         self.global_batch = length.global_batch
         self.cuda_devices, self.memory_reset = ctx.gpus, ctx.memory_reset
         self.meter = ThroughputMeter(trainer_cfg.warmup_steps, device)
@@ -99,7 +100,8 @@ class RunMonitor:
         self.progress.update(1)
         self.meter.step(global_samples)
         self.compute_timer.update_done()
-        inject_fault(self.fault_cfg, self.env.rank, step)
+        if step == self.fault_at_step:  # read once: a DictConfig attribute costs microseconds every step
+            inject_fault(self.fault_cfg, self.env.rank, step)
         if step % self.log_every_n_steps == 0 or epoch_ends:  # where the loop waits anyway
             update.check_finite(step)
         if step % self.log_every_n_steps == 0:
