@@ -8,7 +8,6 @@ model summary, sanity validation). Same throughput definition: global samples pe
     torchrun --nproc_per_node=2 benchmarks/lightning_ddp.py --model small_cnn --steps 40
 """
 
-import argparse
 import json
 import os
 import time
@@ -19,7 +18,7 @@ import torch.nn.functional as F
 from torch.utils.data import DataLoader
 
 from data.synthetic import build_synthetic
-from plain_ddp import MODELS
+from plain_ddp import MODELS, parse_arguments
 
 
 class Classifier(L.LightningModule):
@@ -58,13 +57,7 @@ class StepClock(L.Callback):
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser()
-    parser.add_argument("--model", choices=MODELS, default="small_cnn")
-    parser.add_argument("--steps", type=int, default=40, help="timed steps, after the warm-up")
-    parser.add_argument("--warmup", type=int, default=5)
-    parser.add_argument("--batch-size", type=int, default=32, help="per process")
-    parser.add_argument("--image-size", type=int, default=32)
-    args = parser.parse_args()
+    args = parse_arguments()
 
     cuda = torch.cuda.is_available()
     trainer_clock = StepClock(args.warmup)

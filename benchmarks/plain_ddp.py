@@ -30,14 +30,19 @@ MODELS = {
 }
 
 
-def main() -> None:
+def parse_arguments() -> argparse.Namespace:
+    """The work, as every contender script of make bench takes it."""
     parser = argparse.ArgumentParser()
     parser.add_argument("--model", choices=MODELS, default="small_cnn")
     parser.add_argument("--steps", type=int, default=40, help="timed steps, after the warm-up")
     parser.add_argument("--warmup", type=int, default=5)
     parser.add_argument("--batch-size", type=int, default=32, help="per process")
     parser.add_argument("--image-size", type=int, default=32)
-    args = parser.parse_args()
+    return parser.parse_args()
+
+
+def main() -> None:
+    args = parse_arguments()
 
     cuda = torch.cuda.is_available()
     dist.init_process_group("nccl" if cuda else "gloo")
