@@ -39,13 +39,13 @@ def build_datasets(data_cfg) -> DataSplits:
 def report_skipped_samples(splits: DataSplits, device: torch.device) -> int | None:
     """How many distinct files of the train and val splits data.on_bad_sample=skip replaced in this run,
     on any rank (one all_reduce), with a warning naming them; None for datasets that skip nothing.
-    (data/vision.py's CheckedImageFolder marks them in `skipped`; no import of it here, which would
-    import torchvision in every run.)"""
+    (data/vision.py's CheckedImageFolder and data/encoded.py's EncodedImages mark them in `skipped` and
+    name them with `where`; no import of them here, which would import torchvision in every run.)"""
     folders = [dataset for dataset in (splits.train, splits.val) if getattr(dataset, "on_bad_sample", None) == "skip"]
     if not folders:
         return None
     skipped = all_reduce_sum(torch.cat([folder.skipped for folder in folders]).to(device, torch.int32))
-    paths = [folder.samples[index][0] for folder, flags in zip(folders, skipped.split([len(f) for f in folders]))
+    paths = [folder.where(index) for folder, flags in zip(folders, skipped.split([len(f) for f in folders]))
              for index in flags.nonzero().flatten().tolist()]
     if paths:
         log.warning("data.on_bad_sample=skip: replaced %d unreadable image(s) by the next one of their split: %s%s",

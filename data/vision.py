@@ -39,6 +39,9 @@ class CheckedImageFolder(datasets.ImageFolder):
         self.split, self.on_bad_sample = split, on_bad_sample
         self.skipped = torch.zeros(len(self.samples), dtype=torch.uint8).share_memory_()
 
+    def where(self, index: int) -> str:
+        return self.samples[index][0]
+
     def __getitem__(self, index: int):
         for candidate in itertools.chain(range(index, len(self.samples)), range(index)):
             path, target = self.samples[candidate]
