@@ -33,6 +33,10 @@ def build_datasets(data_cfg) -> DataSplits:
     for name in ("train", "val"):
         if len(getattr(splits, name)) == 0:
             raise ConfigError(f"data: the {name} split is empty; check the data.* sizes (e.g. data.num_samples, data.val_fraction)")
+    window = data_cfg.get("shuffle_window", 0)
+    if window and getattr(splits.train, "shard_sizes", None) is None:
+        raise ConfigError(f"data.shuffle_window={window}: goes through a dataset's shards {window} at a time, but "
+                          f"{data_cfg._target_} has no shards; use data.shuffle_window=0, or a sharded dataset (data=webdataset)")
     return splits
 
 

@@ -11,10 +11,12 @@ from torch.utils.data import Dataset
 class IdsAndNoise(Dataset):
     """Sample i is (i, a draw from each of torch's, Python's and numpy's global RNGs of the loading
     process), like a random augmentation. `loads[i]` counts the loads of sample i, in any process
-    (shared memory, as the loader's workers are other processes)."""
+    (shared memory, as the loader's workers are other processes). `shard_sizes`: as a sharded dataset
+    stores its samples (data/encoded.py), for data.shuffle_window."""
 
-    def __init__(self, size: int = 50):
+    def __init__(self, size: int = 50, shard_sizes: list[int] | None = None):
         self.loads = torch.zeros(size, dtype=torch.int32).share_memory_()
+        self.shard_sizes = shard_sizes
 
     def __len__(self) -> int:
         return len(self.loads)

@@ -152,6 +152,8 @@ OUR_ERRORS = {
     "zero_lr": (QUICK + ["optim.lr=0"], "optim.lr=0", "must be > 0", None),
     "negative_lr": (QUICK + ["optim.lr=-1"], "optim.lr=-1", "must be > 0", None),
     "negative_num_workers": (QUICK + ["data.num_workers=-1"], "data.num_workers=-1", "must be >= 0", None),
+    "negative_shuffle_window": (QUICK + ["data.shuffle_window=-1"], "data.shuffle_window=-1", "must be >= 0", None),
+    "shuffle_window_without_shards": (QUICK + ["data.shuffle_window=2"], "data.shuffle_window=2", "has no shards", None),
     "zero_timeout": (QUICK + ["strategy.timeout_s=0"], "strategy.timeout_s=0", "must be > 0", None),
     "zero_max_epochs": (QUICK + ["trainer.max_epochs=0"], "trainer.max_epochs=0", "must be >= 1", None),
     "zero_max_steps": (QUICK + ["trainer.max_steps=0"], "trainer.max_steps=0", "must be -1 (no limit) or >= 1", None),

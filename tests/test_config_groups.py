@@ -70,6 +70,7 @@ DEFAULT_KEYS = {
     "strategy.nproc_per_node", "strategy.max_restarts",
     "model._target_", "model.weights_path", "model.weights_scope", "model.channels", "model.dropout", "model.norm",
     "data._target_", "data.batch_size", "data.num_workers", "data.mixup_alpha", "data.cutmix_alpha", "data.split", "data.val_batch_size",
+    "data.shuffle_window",
     "data.val_fraction", "data.split_seed", "data.views", "data.augment",
     "optim._target_", "optim.lr", "optim.lr_scaling", "optim.reference_batch_size", "optim.momentum", "optim.weight_decay",
     "optim.nesterov", "scheduler.name", "scheduler.warmup_steps", "scheduler.warmup_epochs",
@@ -88,7 +89,7 @@ DEFAULT_KEYS = {
     "ema.decay", "devices", "backend", "syncbn", "deterministic", "precision", "channels_last", "compile", "compile_mode", "seed", "mode", "resume",
 }
 
-LOADING = {"_target_", "batch_size", "num_workers", "mixup_alpha", "cutmix_alpha", "split", "val_batch_size"}
+LOADING = {"_target_", "batch_size", "num_workers", "mixup_alpha", "cutmix_alpha", "split", "val_batch_size", "shuffle_window"}
 # The keys each option adds to its group. Update this list deliberately when adding an option.
 OPTION_KEYS = {
     ("strategy", "single"): {"name", "timeout_s", "bucket_cap_mb", "find_unused_parameters", "nproc_per_node", "max_restarts"},

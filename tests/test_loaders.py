@@ -1,5 +1,6 @@
 """Sampling: every sample seen once per epoch in training, exactly once in evaluation, and fresh orders per epoch."""
 
+import itertools
 from collections import Counter
 from pathlib import Path
 from types import SimpleNamespace
@@ -283,3 +284,78 @@ def test_loading_without_workers_leaves_the_training_steps_rng_as_it_was():
     before = torch.get_rng_state()
     assert len(list(loader)) == 13
     assert torch.equal(torch.get_rng_state(), before)
+
+
+# --- data.shuffle_window: shards K at a time ----------------------------------------------------------
+
+SHARD_SIZES = [7, 9, 8, 8, 6, 9, 3]  # 50 samples in 7 shards of uneven sizes, as a converter's last shard is
+
+
+def shard_of(index: int) -> int:
+    return next(shard for shard, end in enumerate(itertools.accumulate(SHARD_SIZES)) if index < end)
+
+
+def test_a_windowed_order_is_every_sample_once_in_groups_of_window_shards():
+    """window=K: the shards in a shuffled order, K at a time, their samples shuffled together; another
+    order each epoch, the same for the same epoch; window 0 is the full shuffle."""
+    for window in (1, 2, 3):
+        order = epoch_order(50, seed=0, epoch=EPOCH, shard_sizes=SHARD_SIZES, window=window)
+        assert sorted(order) == list(range(50))
+        shards = list(dict.fromkeys(shard_of(index) for index in order))  # in the order the epoch reaches them
+        groups = [shards.index(shard_of(index)) // window for index in order]
+        assert groups == sorted(groups)  # a group's samples all come before the next group's
+        assert order != sorted(order, key=lambda index: (groups[order.index(index)], index))  # shuffled within
+        assert order == epoch_order(50, seed=0, epoch=EPOCH, shard_sizes=SHARD_SIZES, window=window)
+        assert order != epoch_order(50, seed=0, epoch=EPOCH + 1, shard_sizes=SHARD_SIZES, window=window)
+    assert epoch_order(50, 0, EPOCH, SHARD_SIZES, window=0) == epoch_order(50, 0, EPOCH)
+
+
+@pytest.mark.parametrize("num_workers", [0, 2])
+def test_with_a_window_every_rank_reads_within_the_current_shards_and_the_order_ignores_the_world_size(num_workers):
+    """data.shuffle_window=2 through the real train loader at 1, 2 and 3 ranks: every sample once per
+    epoch; step k of W ranks x B holds the samples of step k of 1 process x W*B (N x B = 1 x NB); and
+    at every step the shards all ranks read are within two consecutive groups of 2 (the current one and
+    the next, where a batch crosses a boundary)."""
+    data_cfg = SimpleNamespace(batch_size=4, num_workers=num_workers, shuffle_window=2)
+
+    def ranks_batches(world_size: int) -> list[list[list[int]]]:
+        per_rank = []
+        for rank in range(world_size):
+            loader = build_train_loader(IdsAndNoise(shard_sizes=SHARD_SIZES), data_cfg, DistEnv(rank=rank, world_size=world_size), 0, False)
+            start_epoch(loader, EPOCH)
+            per_rank.append([[int(i) for i in ids] for ids, _ in loader])
+        return per_rank
+
+    group_of, seen = {}, []  # each sample's group of 2 shards, numbered in the epoch's order
+    for index in epoch_order(50, 0, EPOCH, SHARD_SIZES, window=2):
+        seen += [shard_of(index)] if shard_of(index) not in seen else []
+        group_of[index] = (len(seen) - 1) // 2
+    for world_size in (1, 2, 3):
+        per_rank = ranks_batches(world_size)
+        counts = Counter(i for batches in per_rank for batch in batches for i in batch)
+        assert sorted(counts) == list(range(50)) and sum(counts.values()) - 50 == -50 % world_size
+        for step in range(len(per_rank[0])):
+            # (the epoch's last step may repeat its first samples: the padding that equal shares need)
+            read = {group_of[i] for batches in per_rank for i in batches[step] if counts[i] == 1}
+            assert max(read) - min(read) <= 1, (world_size, step, read)
+            if world_size == 2:
+                (one,) = ranks_batches(1) if step == 0 else (one,)
+                assert sorted(per_rank[0][step] + per_rank[1][step]) == sorted(sum(one[2 * step:2 * step + 2], [])), step
+
+
+def test_an_epoch_with_a_window_continued_at_another_world_size_trains_each_sample_once():
+    """Stopped after 2 steps of 2 ranks x 4 with data.shuffle_window=2, continued by 3 ranks: the rest of
+    the same windowed order, every sample once (plus the padding equal shares need)."""
+    data_cfg = SimpleNamespace(batch_size=4, num_workers=0, shuffle_window=2)
+    before = []
+    for rank in range(2):
+        loader = build_train_loader(IdsAndNoise(shard_sizes=SHARD_SIZES), data_cfg, DistEnv(rank=rank, world_size=2), 0, False)
+        start_epoch(loader, EPOCH)
+        before += [int(i) for _, (ids, _) in zip(range(2), loader) for i in ids]
+    after = []
+    for rank in range(3):
+        loader = build_train_loader(IdsAndNoise(shard_sizes=SHARD_SIZES), data_cfg, DistEnv(rank=rank, world_size=3), 0, False)
+        start_epoch(loader, EPOCH, len(before))
+        after += [int(i) for ids, _ in loader for i in ids]
+    counts = Counter(before + after)
+    assert sorted(counts) == list(range(50)) and sum(counts.values()) - 50 == -(50 - 16) % 3

@@ -81,6 +81,8 @@ def validate(cfg: Any, *, launched: bool, world_size: int) -> None:
     _check(cfg.backend in BACKENDS, f"backend={cfg.backend}: unknown, use one of {', '.join(BACKENDS)}")
     _check(cfg.data.batch_size > 0, f"data.batch_size={cfg.data.batch_size}: must be > 0 (it is per process), e.g. data.batch_size=32")
     _check(cfg.data.num_workers >= 0, f"data.num_workers={cfg.data.num_workers}: must be >= 0")
+    _check(cfg.data.shuffle_window >= 0, f"data.shuffle_window={cfg.data.shuffle_window}: must be >= 0 (0: one shuffle of "
+                                         "all samples; K: K shards at a time)")
     if cfg.data.val_batch_size is not None:
         _check(cfg.data.val_batch_size > 0, f"data.val_batch_size={cfg.data.val_batch_size}: must be > 0, e.g. 1")
     _check(cfg.optim.lr > 0, f"optim.lr={cfg.optim.lr}: must be > 0, e.g. optim.lr=0.01")

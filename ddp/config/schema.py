@@ -67,6 +67,9 @@ class DataConfig:
     # Per process, for evaluation; null: batch_size. data=voc sets 1, as torchvision's reference: a padded
     # image's predictions near its edges would depend on its batch-mates, and so on the world size.
     val_batch_size: int | None = None
+    # > 0: a sharded dataset's epoch goes through its shards in a shuffled order, this many at a time, its
+    # samples shuffled within them (reads stay within those shards); 0: one shuffle of all samples
+    shuffle_window: int = 0
 
 
 @dataclass

@@ -22,7 +22,8 @@ def build_train_loader(dataset: Dataset, data_cfg, env: DistEnv, seed: int, pin_
     Workers are not persistent: each epoch's workers get the dataset with that epoch set.
     """
     samples = SeededSamples(dataset, seed)
-    sampler = TrainSampler(samples, num_replicas=env.world_size, rank=env.rank, shuffle=True, seed=seed)
+    sampler = TrainSampler(samples, num_replicas=env.world_size, rank=env.rank, shuffle=True, seed=seed,
+                           shard_sizes=getattr(dataset, "shard_sizes", None), window=getattr(data_cfg, "shuffle_window", 0))
     return WorkerSafeDataLoader(
         samples,
         batch_size=data_cfg.batch_size,

@@ -1,9 +1,11 @@
 """Samplers: shuffled training shards, continued from any sample of an epoch at any world size, and
 exact unpadded shards for evaluation. Pure functions of (size, world_size, rank), no process group."""
 
+import itertools
 import math
 from collections.abc import Iterator, Sequence
 
+import torch
 from torch.utils.data import DistributedSampler, Sampler
 
 
@@ -29,12 +31,28 @@ class ShardSampler(Sampler[int]):
         return len(self.indices)
 
 
-def epoch_order(size: int, seed: int, epoch: int) -> list[int]:
-    """The epoch's shuffled order of all samples, the same for every world size: DistributedSampler's
-    own shuffle (a randperm seeded by seed + epoch), before it pads and deals it out to the ranks."""
-    sampler = DistributedSampler(range(size), num_replicas=1, rank=0, shuffle=True, seed=seed)
-    sampler.set_epoch(epoch)
-    return list(sampler)
+def epoch_order(size: int, seed: int, epoch: int, shard_sizes: Sequence[int] | None = None, window: int = 0) -> list[int]:
+    """The epoch's shuffled order of all samples, the same for every world size and worker count.
+
+    window=0: DistributedSampler's own shuffle (a randperm seeded by seed + epoch), before it pads and
+    deals it out to the ranks: the most random order, reading anywhere in the dataset at any time.
+    window=K, for samples stored in shards (`shard_sizes`: samples per shard, in index order): the shards
+    in a shuffled order, K at a time, the samples of those K shuffled together. Every rank takes every
+    world_size-th sample of it, so all ranks read within the same K shards (and the next K near a
+    boundary), at the cost of randomness: a batch mixes samples of K shards only. Larger K, more random.
+    """
+    if not window or shard_sizes is None:
+        sampler = DistributedSampler(range(size), num_replicas=1, rank=0, shuffle=True, seed=seed)
+        sampler.set_epoch(epoch)
+        return list(sampler)
+    generator = torch.Generator().manual_seed(seed + epoch)
+    starts = [0, *itertools.accumulate(shard_sizes)][:-1]
+    shards = torch.randperm(len(shard_sizes), generator=generator).tolist()
+    order = []
+    for first in range(0, len(shards), window):
+        indices = [index for shard in shards[first:first + window] for index in range(starts[shard], starts[shard] + shard_sizes[shard])]
+        order += [indices[i] for i in torch.randperm(len(indices), generator=generator).tolist()]
+    return order
 
 
 def rest_of_epoch(order: Sequence[int], start: int, world_size: int, rank: int) -> list[int]:
@@ -68,18 +86,23 @@ def resume_point(samples_in_epoch: int, batch_size: int, world_size: int) -> tup
 
 class TrainSampler(DistributedSampler):
     """DistributedSampler(shuffle=True) whose epoch can begin `start` samples into the global order
-    (`rest_of_epoch`); set both with `set_epoch`. With start=0 it is DistributedSampler exactly."""
+    (`rest_of_epoch`), set with `set_epoch`, and whose order can go through a sharded dataset's shards
+    `window` at a time (`epoch_order`). With start=0 and window=0 it is DistributedSampler exactly."""
 
     start = 0
+
+    def __init__(self, dataset, *, shard_sizes: Sequence[int] | None = None, window: int = 0, **kwargs):
+        super().__init__(dataset, **kwargs)
+        self.shard_sizes, self.window = shard_sizes, window
 
     def set_epoch(self, epoch: int, start: int = 0) -> None:
         super().set_epoch(epoch)
         self.start = start
 
     def __iter__(self) -> Iterator[int]:
-        if self.start == 0:
+        if self.start == 0 and not self.window:
             return super().__iter__()
-        order = epoch_order(len(self.dataset), self.seed, self.epoch)
+        order = epoch_order(len(self.dataset), self.seed, self.epoch, self.shard_sizes, self.window)
         return iter(rest_of_epoch(order, self.start, self.num_replicas, self.rank))
 
     def __len__(self) -> int:
