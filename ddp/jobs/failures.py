@@ -69,10 +69,10 @@ def end_failed_job(error: BaseException, hydra_cfg, cfg, env: DistEnv) -> BaseEx
         drop_traceback(error)
         # a refused run leaves its dir as it was (none, if the launch made it)
         says_it = end_refused_launch(str(error), Path(hydra_cfg.runtime.output_dir), env) if isinstance(error, ConfigError) else True
-        if in_sweep and not env.launched:
-            return error  # this job fails, the sweep goes on, and its summary says why
         if says_it:
             sys.stderr.write(f"error: {error}\n")  # one write: ranks printing at once keep their lines whole
+        if in_sweep and not env.launched:
+            return error  # this job fails, the sweep goes on, and its summary says why (SweepSummary)
         if in_sweep and env.launcher == "submitit":
             # submitit records the job as failed and the sweep learns why; after an exit it finds no
             # result, and without SLURM accounting (sacct) it would wait for one forever
