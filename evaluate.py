@@ -15,6 +15,7 @@ from ddp.config.checks import check_model_accepts
 from ddp.config.schema import ConfigError, TaskConfig
 from ddp.distributed.process_group import process_group
 from ddp.distributed.wrap import wrap_model
+from ddp.jobs.failures import startup_passed
 from ddp.loading.loader_workers import start_worker_server
 from ddp.loading.loaders import build_val_loader
 from ddp.reporting.rank_zero import write_json
@@ -56,6 +57,7 @@ def evaluate_checkpoint(ctx: RunContext, splits, task) -> dict:
         ema = build_ema(model, decay=0.5)  # the decay plays no part in evaluation
         ema.load_state_dict(checkpoint["ema"])
     start_worker_server(dataset, cfg.data.num_workers)
+    startup_passed(run_dir)  # as train.py's check_startup: mode=eval's checks are behind
     log.info("evaluating %s (step %d) with task %s on the %s split (%d samples), strategy=%s world_size=%d",
              path, checkpoint["global_step"], cfg.task._target_, split, len(dataset), cfg.strategy.name, env.world_size)
     with process_group(ctx.backend, env, device, cfg.strategy.timeout_s) if ctx.distributed else contextlib.nullcontext():

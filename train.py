@@ -28,7 +28,7 @@ from ddp.distributed.fsdp import check_blocks
 from ddp.distributed.process_group import all_reduce_sum, process_group, releases_process_groups, replicas_identical, resolve_backend
 from ddp.distributed.syncbn import warn_if_syncbn_without_ddp
 from ddp.distributed.wrap import prepare_model, process_gpus, seed_this_rank
-from ddp.jobs.failures import end_failed_job
+from ddp.jobs.failures import end_failed_job, startup_passed
 from ddp.jobs.faults import SampleRecorder, slow_down
 from ddp.jobs.launch import launch_workers
 from ddp.jobs.preemption import StopOnSignal, resume_command
@@ -99,6 +99,7 @@ def check_startup(cfg: DictConfig, run_dir: Path, *, world_size: int, restarted:
         check_frozen_fits(task, resumed[1], resumed[0])
     check_best_settings(cfg.checkpoint, cfg.trainer, cfg.task, run_epochs=length.epochs, task=task, model=model,
                         val_batch=one_sample_batch(splits.val), resumed=resumed)
+    startup_passed(run_dir)  # under torchrun: a rank these checks refused prints its own line (ddp/jobs/failures.py)
     return splits, task, length, model, resumed
 
 

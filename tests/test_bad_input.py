@@ -423,10 +423,80 @@ def test_download_with_several_ranks_is_refused_on_every_rank(tmp_path):
                     cwd=tmp_path, nproc=2, env={"PET_MASTER_PORT": str(_free_port())}, timeout=180)
     assert result.returncode != 0, _output(result)
     ours = [line for line in _output(result).splitlines() if line.startswith("error: ")]
-    assert 1 <= len(ours) <= 2, _output(result)  # torchrun may stop the second rank before it prints
-    assert all(line.startswith("error: data.download=true: download with one process first") for line in ours), ours
+    assert len(ours) == 1, _output(result)  # every rank refuses alike: rank 0 says it
+    assert ours[0].startswith("error: data.download=true: download with one process first"), ours
     assert not (tmp_path / "cifar").exists()
     assert_nothing_trained(tmp_path, result, under_torchrun=True)
+    assert_no_run_dir_left(tmp_path)
+
+
+def _torchrun(torchrun_args: list[str], args: list[str], cwd: Path, share_store: bool = False) -> subprocess.Popen:
+    """torchrun with `torchrun_args` running train.py `args` in cwd, its output piped (stderr into stdout)."""
+    env = {k: v for k, v in os.environ.items() if k not in ("RANK", "LOCAL_RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")}
+    env |= {"PYTHONUNBUFFERED": "1", "TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "0" if share_store else "1"}
+    return subprocess.Popen([str(TORCHRUN), *torchrun_args, str(TRAIN), *args], cwd=cwd, env=env, text=True,
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
+
+
+def _our_lines_and_no_traceback_of_ours(output: str) -> list[str]:
+    """The `error:` lines of a torchrun launch's output, which holds no frame of ours or Hydra's (torchrun's
+    own ChildFailedError traceback, which names the failed ranks, is torchrun's)."""
+    assert f'File "{TRAIN}"' not in output and "site-packages/hydra/" not in output and "Error executing job" not in output, output
+    return [line for line in output.splitlines() if line.startswith("error: ")]
+
+
+# A slow rank 0 (a busy host): held 2 s inside Hydra's start of the job, after it made the run dir and
+# before it opens its log file there (tests/workers/slow_start.py), while rank 1 is refused; torchrun's
+# agent looks at its workers every 5 s, so rank 1's exit doesn't get rank 0 stopped before it wakes up.
+RANK_0_HELD_BACK = ["+hydra.callbacks.slow_start._target_=tests.workers.slow_start.SlowStart",
+                    "+hydra.job_logging.slow_start=${rank_zero_sleeps:2}"]
+
+
+@pytest.mark.parametrize("torchrun_args, extra, share_store", [
+    (["--nproc_per_node=2"], [], True),  # the ranks compare outcomes through torchrun's store
+    (["--nproc_per_node=2"], [], False),  # through claim files
+    (["--nproc_per_node=2", "--monitor-interval=5"], RANK_0_HELD_BACK, False),
+], ids=["shared_store", "claim_files", "rank_0_held_back"])
+def test_a_refusal_every_rank_meets_is_one_line_under_torchrun(tmp_path, torchrun_args, extra, share_store):
+    """`torchrun --nproc_per_node=2 train.py model.channelz=3`: both ranks are refused alike; rank 0 alone
+    prints the line, however the ranks are timed. With rank 0 held back, rank 1 is refused while rank 0 is
+    still inside Hydra's start; had rank 1 removed the run dir then, rank 0 would die with Hydra's
+    FileNotFoundError traceback instead. No run dir is left."""
+    process = _torchrun(torchrun_args, [*QUICK, "strategy=ddp", "model.channelz=3", *extra], tmp_path, share_store)
+    output, _ = process.communicate(timeout=180)
+    assert process.returncode != 0, output
+    assert _our_lines_and_no_traceback_of_ours(output) == [
+        "error: model.channelz: unknown key, not an option of models.small_cnn.SmallCNN (did you mean model.channels? "
+        "options: channels, dropout, norm); check the spelling"], output
+    assert_no_run_dir_left(tmp_path)
+
+
+def test_a_refusal_on_one_node_only_is_printed_there_once(tmp_path):
+    """Two torchrun "nodes" of 2 ranks each (static rendezvous, one working dir: a shared filesystem), whose data
+    is node-local (`data.root=.../node${oc.env:GROUP_RANK}`), and node 1 lacks it: node 1's ranks are refused
+    alike and rank 2 prints the line once, while node 0's ranks pass their checks and wait for their process
+    group, which never comes (the test stops them). No run dir is left."""
+    from conftest import free_port, write_imagefolder
+
+    write_imagefolder(tmp_path / "node0")
+    port = free_port()
+    args = ["strategy=ddp", "data=imagefolder", f"data.root={tmp_path}/node${{oc.env:GROUP_RANK}}", "data.batch_size=2",
+            "trainer.max_epochs=1"]
+    nodes = [_torchrun(["--nnodes=2", "--nproc-per-node=2", f"--node-rank={node}", "--master-addr=127.0.0.1",
+                        f"--master-port={port}"], args, tmp_path, share_store=True) for node in (0, 1)]
+    try:
+        node_1_output, _ = nodes[1].communicate(timeout=180)
+        nodes[0].terminate()
+        node_0_output, _ = nodes[0].communicate(timeout=60)
+    finally:
+        for node in nodes:
+            if node.poll() is None:
+                node.kill()
+                node.communicate()
+    assert nodes[1].returncode != 0, node_1_output
+    (line,) = _our_lines_and_no_traceback_of_ours(node_1_output)
+    assert line == f"error: data.root={tmp_path}/node1: no such directory; point data.root at the dataset's folder", line
+    assert not _our_lines_and_no_traceback_of_ours(node_0_output), node_0_output
     assert_no_run_dir_left(tmp_path)
 
 

@@ -14,7 +14,10 @@ test processes (conftest.shared_run):
 
 import csv
 import json
+import os
 import re
+import subprocess
+import sys
 from pathlib import Path
 from types import SimpleNamespace
 
@@ -24,8 +27,8 @@ from tensorboard.backend.event_processing.event_accumulator import EventAccumula
 from tensorboard.backend.event_processing.event_multiplexer import EventMultiplexer
 from tensorboard.plugins.hparams import plugin_data_pb2
 
-from conftest import (as_json, assert_no_process_group_left_at_exit, check, exit_watch, job_numbers, launch, results_of,
-                      run_dirs, shared_run)
+from conftest import (TRAIN, as_json, assert_no_process_group_left_at_exit, check, exit_watch, job_numbers, launch,
+                      results_of, run_dirs, shared_run)
 from conftest import job_dir as job_dir_in
 
 # One epoch of a narrow small_cnn on 128 tiny synthetic images: each job costs process start-up only.
@@ -305,6 +308,28 @@ def test_a_failed_job_leaves_nothing_behind_for_the_next_jobs(failing_sweep):
     assert [(r["job"], r["when"]) for r in records] == [(job, when) for job in range(8) for when in ("start", "end")]
     for record in records:
         assert record | {"modules": 0, "tensors": 0, "loader_workers": 0, "open_event_writers": 0} == record, record
+
+
+@pytest.mark.parametrize("strategy", [["strategy=single"], ["strategy=ddp", "strategy.nproc_per_node=2"]],
+                         ids=["python", "self_launched_ddp"])
+def test_a_jobs_startup_refusal_is_its_one_line_then_the_sweep_goes_on_to_its_summary(tmp_path, strategy):
+    """`python train.py -m ... data.batch_size=0,16`: job 0 is refused at startup and says so in its one `error:`
+    line, as a plain run does (not Hydra's `Error executing job` and a traceback through main); job 1 trains;
+    then comes the summary, whose job 0 row gives the reason, and the sweep exits 1."""
+    env = {k: v for k, v in os.environ.items() if k not in ("RANK", "LOCAL_RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")}
+    result = subprocess.run([sys.executable, str(TRAIN), "-m", *strategy, *SMALL, "data.batch_size=0,16"], cwd=tmp_path,
+                            env=env | {"PYTHONUNBUFFERED": "1"}, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                            timeout=240)  # one stream: the order of the line and the summary
+    lines = result.stdout.splitlines()
+    assert result.returncode == 1, result.stdout[-4000:]
+    assert "Traceback" not in result.stdout and "Error executing job" not in result.stdout, result.stdout[-4000:]
+    refusal = "error: data.batch_size=0: must be > 0 (it is per process), e.g. data.batch_size=32"
+    assert [line for line in lines if line.startswith("error: ")] == [refusal], result.stdout[-4000:]
+    summary_start = [i for i, line in enumerate(lines) if line.startswith("sweep summary (")]
+    assert len(summary_start) == 1 and lines.index(refusal) < summary_start[0], result.stdout[-4000:]
+    failed, ok = summary_rows(the_sweep_dir(tmp_path))
+    assert failed["status"] == f"failed: ConfigError: {refusal.removeprefix('error: ')}", failed
+    assert ok["status"] == "ok", ok
 
 
 # --- 6. Optuna over self-launched DDP trials (the search of section 2) ---------------------------

@@ -20,6 +20,7 @@ import pytest
 from omegaconf import OmegaConf
 
 from conftest import REPO, TINY, TORCHRUN, TRAIN, check, config_error_in_this_process, free_port, launch, shared_run
+from test_bad_input import assert_no_run_dir_left
 from tracker_records import float32, mlflow_client, mlflow_runs, mlflow_runs_of, tensorboard_scalars, wandb_history, wandb_records
 
 LOGGERS = "logger=[tensorboard,mlflow,wandb]"
@@ -270,6 +271,30 @@ def test_wandb_online_without_a_key_is_one_line(tmp_path, monkeypatch):
     monkeypatch.delenv("WANDB_API_KEY", raising=False)
     line = config_error_in_this_process([*TINY, "logger=wandb", "logger.wandb.mode=online"], tmp_path / "run")
     assert line.startswith("logger.wandb.mode=online: no W&B API key"), line
+
+
+def test_a_wandb_variable_that_wandb_rejects_is_one_line_on_the_command_line(tmp_path):
+    """WANDB_MODE="" (which W&B's settings refuse when its run starts) with logger=wandb: one line naming the
+    variable, exit 1, no run dir and no W&B files; before the check, the run trained without W&B."""
+    result = launch([*TINY, "logger=wandb"], tmp_path, env={"WANDB_MODE": ""}, timeout=120)
+    assert result.returncode == 1, result.stdout + result.stderr
+    assert result.stderr.strip().splitlines() == [
+        "error: WANDB_MODE='' in the environment: W&B rejects it (Input should be 'online', 'offline', 'shared', 'disabled', "
+        "'dryrun' or 'run'); set a value W&B accepts, or unset it"], result.stderr
+    assert_no_run_dir_left(tmp_path)
+    assert not list(tmp_path.rglob("wandb"))
+
+
+@pytest.mark.parametrize("name, value, expected", [
+    ("WANDB_SILENT", "maybe", "WANDB_SILENT='maybe' in the environment: W&B rejects it (Input should be a valid boolean"),
+    ("WANDB_API_KEY", " secret ", "WANDB_API_KEY in the environment: W&B rejects it (API key cannot start or end with whitespace)"),
+])
+def test_other_wandb_variables_that_wandb_rejects_are_one_line(tmp_path, monkeypatch, name, value, expected):
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setenv(name, value)
+    line = config_error_in_this_process([*TINY, "logger=wandb"], tmp_path / "run")
+    assert line.startswith(expected), line
+    assert "secret" not in line
 
 
 def test_unknown_logger_options_and_keys_are_named_by_hydra(tmp_path):

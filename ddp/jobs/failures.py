@@ -1,17 +1,22 @@
-"""How a job ends when its run fails or is interrupted: a config error (its run dir put back as it was),
-divergence, a full disk or CUDA out of memory (with profiler.memory_history) as one line and exit 1, a
-sweep's job failing alone (without the frames that hold its run), a sweep under torchrun stopped at once."""
+"""How a job ends when its run fails or is interrupted: a config error (its run dir put back as it was,
+and under torchrun one line for a refusal that every rank meets alike), divergence, a full disk or CUDA
+out of memory (with profiler.memory_history) as one line and exit 1, a sweep's job failing alone (without
+the frames that hold its run), a sweep under torchrun stopped at once."""
 
 import logging
+import os
 import signal
 import sys
+import time
 from pathlib import Path
 
+from hydra.core.hydra_config import HydraConfig
 from hydra.types import RunMode
 
 from ddp.checkpoints.checkpoint import DiskFull, checkpoint_dir
 from ddp.config.schema import ConfigError
 from ddp.distributed.env import DistEnv
+from ddp.jobs.launch_agreement import publish, shared_by_the_launch, wait_at_most
 from ddp.jobs.preemption import Interrupted, resume_command
 from ddp.jobs.run_dir import undo_refused_launch
 from ddp.reporting.profiling import OutOfMemory
@@ -19,6 +24,9 @@ from ddp.reporting.sweep_summary import record_failed_job
 from ddp.training.update import Diverged
 
 log = logging.getLogger("train")
+
+PASSED = "passed"  # a rank's startup outcome when no check refused it
+STARTUP_WAIT_S = 300.0  # how long a refused rank waits for the other ranks' startup outcomes
 
 
 def drop_traceback(error: BaseException) -> BaseException:
@@ -59,11 +67,12 @@ def end_failed_job(error: BaseException, hydra_cfg, cfg, env: DistEnv) -> BaseEx
     if isinstance(error, (ConfigError, Diverged, DiskFull, OutOfMemory)):
         # without the frames that hold it, the run's DataLoader shuts its workers down now, before the line
         drop_traceback(error)
-        if isinstance(error, ConfigError):
-            undo_refused_launch()  # a refused run leaves its dir as it was (none, if the launch made it)
+        # a refused run leaves its dir as it was (none, if the launch made it)
+        says_it = end_refused_launch(str(error), Path(hydra_cfg.runtime.output_dir), env) if isinstance(error, ConfigError) else True
+        if says_it:
+            sys.stderr.write(f"error: {error}\n")  # one write: ranks printing at once keep their lines whole
         if in_sweep and not env.launched:
-            return error  # this job fails, the sweep goes on, and its summary says why
-        sys.stderr.write(f"error: {error}\n")  # one write: ranks printing at once keep their lines whole
+            return error  # this job fails, the sweep goes on, and its summary says why (SweepSummary)
         if in_sweep and env.launcher == "submitit":
             # submitit records the job as failed and the sweep learns why; after an exit it finds no
             # result, and without SLURM accounting (sacct) it would wait for one forever
@@ -80,3 +89,47 @@ def end_failed_job(error: BaseException, hydra_cfg, cfg, env: DistEnv) -> BaseEx
         log.exception("sweep job %d (%s) failed", hydra_cfg.job.num, " ".join(hydra_cfg.overrides.task))
         return drop_traceback(error)
     return error
+
+
+# --- a refused launch under torchrun: one line, one rank undoes it --------------------------------
+
+def _startup_outcome_key(run_dir: Path, rank: int) -> str:
+    return f"startup/{run_dir.name}/attempt{os.environ.get('TORCHELASTIC_RESTART_COUNT', '0')}/rank{rank}"
+
+
+def _compares_startup_outcomes(env: DistEnv) -> bool:
+    """torchrun's ranks that run Hydra's job (self-launched workers hand a refusal to their launcher, which prints it)."""
+    return env.launcher == "torchrun" and HydraConfig.initialized() and shared_by_the_launch()
+
+
+def startup_passed(run_dir: Path) -> None:
+    """This rank's startup checks are all behind it (its process group comes next): a rank they refused
+    then prints its own line, and may undo the run dir (end_refused_launch)."""
+    env = DistEnv.from_environ()
+    if _compares_startup_outcomes(env):
+        publish(_startup_outcome_key(run_dir, env.rank), PASSED)
+
+
+def end_refused_launch(line: str, run_dir: Path, env: DistEnv) -> bool:
+    """A startup check refused the run (ConfigError `line`): puts its run dir back as it was (undo_refused_launch)
+    and returns whether this process prints the line.
+
+    Under torchrun every rank runs the checks and posts its outcome (torchrun's store or claim files, no process
+    group). A refused rank waits for every rank's: it prints its line unless a lower rank was refused with the
+    same one (a check every rank meets alike prints once; one that a single node meets, its data missing, still
+    prints there), and the lowest refused rank alone undoes the run dir, once no rank still writes Hydra's record
+    or its log there. A rank that posts nothing in STARTUP_WAIT_S leaves each refused rank to print and undo."""
+    if not _compares_startup_outcomes(env):
+        undo_refused_launch()
+        return True
+    refused = f"refused: {line}"
+    publish(_startup_outcome_key(run_dir, env.rank), refused)
+    deadline = time.monotonic() + STARTUP_WAIT_S
+    outcomes = [wait_at_most(_startup_outcome_key(run_dir, rank), max(deadline - time.monotonic(), 0.01))
+                for rank in range(env.world_size)]
+    if None in outcomes:
+        undo_refused_launch()
+        return True
+    if [outcome != PASSED for outcome in outcomes].index(True) == env.rank:
+        undo_refused_launch()
+    return outcomes.index(refused) == env.rank

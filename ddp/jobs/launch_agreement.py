@@ -15,12 +15,14 @@ import socket
 import sys
 import time
 from collections.abc import Callable
+from datetime import timedelta
 from pathlib import Path
 
-from torch.distributed import TCPStore
+from torch.distributed import DistStoreError, TCPStore
 
 OUTPUTS = Path("outputs")
 CLAIMS = OUTPUTS / ".launches"  # per launch without torchrun's shared store: what its ranks agreed on
+CLAIM_WAIT_S = 60.0  # a claim file still empty after this long: the rank claiming it died
 
 
 def _error(message: str) -> None:
@@ -99,7 +101,7 @@ def agreed(key: str, compute: Callable[[], str]) -> str:
     try:
         fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL)
     except FileExistsError:
-        return _read_when_written(path)
+        return _wait_for_claim(path)
     os.close(fd)
     _write_atomically(path, compute())
     return path.read_text()
@@ -118,7 +120,25 @@ def wait_for(key: str) -> str:
     store = _agent_store()
     if store is not None:
         return store.get(f"hydra_ddp/{key}").decode()
-    return _read_when_written(_claims_dir() / key)
+    return _wait_for_claim(_claims_dir() / key)
+
+
+def wait_at_most(key: str, timeout_s: float) -> str | None:
+    """wait_for, but None once `timeout_s` has passed without the value."""
+    store = _agent_store()
+    if store is None:
+        return _read_when_written(_claims_dir() / key, timeout_s)
+    try:
+        store.wait([f"hydra_ddp/{key}"], timedelta(seconds=timeout_s))
+    except DistStoreError:
+        return None
+    return store.get(f"hydra_ddp/{key}").decode()
+
+
+def shared_by_the_launch() -> bool:
+    """Whether publish and wait_for reach every process of this launch: torchrun's shared store, or claim
+    files under its run id (not in a plain process, or under static rendezvous without the shared store)."""
+    return _agent_store() is not None or _run_id() not in (None, "none")
 
 
 def _write_atomically(path: Path, text: str) -> None:
@@ -128,13 +148,20 @@ def _write_atomically(path: Path, text: str) -> None:
     os.replace(tmp, path)
 
 
-def _read_when_written(path: Path, timeout_s: float = 60.0) -> str:
+def _wait_for_claim(path: Path) -> str:
+    value = _read_when_written(path, CLAIM_WAIT_S)
+    if value is None:
+        _error(f"{path}: still empty after {CLAIM_WAIT_S:.0f} s (a rank of this launch died while claiming it); relaunch")
+    return value
+
+
+def _read_when_written(path: Path, timeout_s: float) -> str | None:
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline:
         if path.is_file() and (text := path.read_text()):
             return text
         time.sleep(0.05)
-    _error(f"{path}: still empty after {timeout_s:.0f} s (a rank of this launch died while claiming it); relaunch")
+    return None
 
 
 def release_claims() -> None:

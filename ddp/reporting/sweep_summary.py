@@ -16,6 +16,7 @@ from omegaconf import DictConfig, OmegaConf
 from ddp.checkpoints.best import objective_key
 from ddp.config.schema import MULTI_PROCESS
 from ddp.distributed.env import DistEnv
+from ddp.jobs.launch import ONE_LINE_ERRORS
 from ddp.jobs.preemption import Interrupted
 
 # The objective (task.objective, e.g. val_accuracy or val_miou; best_val_accuracy with trainer.objective=best)
@@ -23,9 +24,12 @@ from ddp.jobs.preemption import Interrupted
 COLUMNS = ["job", "overrides", "world_size", "batch_size", "global_batch_size", "val_loss"]
 LAST_COLUMNS = ["samples_per_s", "wall_s", "status", "best"]
 
-# One sweep per process: the rows so far, and where they go.
+BASIC_SWEEPER = "hydra._internal.core_plugins.basic_sweeper.BasicSweeper"
+
+# One sweep per process: the rows so far, and where they go; the jobs whose one-line error the summary reports.
 _rows: list[dict[str, Any]] = []
 _sweep_dir: list[Path] = []
+_failed_in_one_line: list[int] = []
 
 
 def columns(objective: str) -> list[str]:
@@ -34,7 +38,11 @@ def columns(objective: str) -> list[str]:
 
 class SweepSummary(Callback):
     """Rewrites the summary after every job, so it exists even if the sweep stops early; prints it at
-    the end, or at exit when a failed job made Hydra stop before the end."""
+    the end, or at exit when a failed job made Hydra stop before the end.
+
+    A job of the basic sweeper that failed with a one-line error (a startup refusal, divergence: its line
+    printed as it failed) is left to the summary: Hydra would end the sweep after the batch with `Error
+    executing job` and a traceback through main. The sweep goes on and exits 1 at its end, after the summary."""
 
     def on_job_end(self, config: DictConfig, job_return: JobReturn, **kwargs: Any) -> None:
         env = DistEnv.from_environ()
@@ -44,6 +52,10 @@ class SweepSummary(Callback):
         failure = None if job_return.status == JobStatus.COMPLETED else job_return._return_value
         _add_row(summary_row(config.hydra.job.num, job_return.overrides, config, job_dir, failure), Path(config.hydra.sweep.dir),
                  config)
+        if isinstance(failure, ONE_LINE_ERRORS) and config.hydra.sweeper._target_ == BASIC_SWEEPER:
+            # the basic sweeper only raises a failed job's error, and uses no job's value
+            job_return.status, job_return.return_value = JobStatus.COMPLETED, None
+            _failed_in_one_line.append(config.hydra.job.num)
 
     def on_multirun_start(self, config: DictConfig, **kwargs: Any) -> None:
         if "submitit" in config.hydra.launcher._target_:
@@ -54,6 +66,8 @@ class SweepSummary(Callback):
         if "submitit" in config.hydra.launcher._target_:
             summarise_job_dirs(Path(config.hydra.sweep.dir))
         print_summary()
+        if _failed_in_one_line:
+            sys.exit(1)
 
 
 def summarise_job_dirs(sweep_dir: Path) -> None:

@@ -62,6 +62,7 @@ def check_trackers(logger_cfg: DictConfig) -> None:
         if mode == "online" and not wandb_api_key_set():
             raise ConfigError("logger.wandb.mode=online: no W&B API key is set up; run `wandb login` (or set WANDB_API_KEY), "
                               "or use logger.wandb.mode=auto to run offline until then")
+        check_wandb_environment()
 
 
 def check_mlflow_uri(uri: str) -> None:
@@ -81,6 +82,26 @@ def check_mlflow_uri(uri: str) -> None:
             raise ConfigError(f"{key}: the folder {path.parent} doesn't exist; create it or drop the key for outputs/mlflow.db")
     elif scheme not in ("databricks", "file", "postgresql", "mysql", "mssql"):
         raise ConfigError(f"{key}: not a tracking URI; use http(s)://<host>:<port> for a server or sqlite:///<file>")
+
+
+def check_wandb_environment() -> None:
+    """The WANDB_* variables as W&B reads them when a run starts (wandb_setup: Settings.update_from_env_vars, which
+    validates each one as it sets it, in the environment's order): one it rejects would otherwise only be logged then,
+    and the run would go on without W&B. Setting them one at a time names the variable; nothing starts."""
+    from pydantic import ValidationError
+    from wandb.errors import UsageError  # what some of its validators raise instead (the API key's)
+    from wandb.sdk.wandb_settings import Settings
+
+    settings = Settings()
+    for name, value in os.environ.items():
+        if not name.startswith("WANDB_"):
+            continue
+        try:
+            settings.update_from_env_vars({name: value})
+        except (ValidationError, UsageError) as error:
+            reason = "; ".join(problem["msg"] for problem in error.errors()) if isinstance(error, ValidationError) else error
+            shown = name if "KEY" in name else f"{name}={value!r}"  # an API key stays off the console
+            raise ConfigError(f"{shown} in the environment: W&B rejects it ({reason}); set a value W&B accepts, or unset it") from None
 
 
 def wandb_api_key_set() -> bool:
