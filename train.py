@@ -179,8 +179,7 @@ def train(ctx: RunContext, update: UpdateStep, train_loader, position: Position,
             best.update(metrics, position.global_step, position.epoch)  # agreed by every rank: keep as best, stop early
             monitor.log_best(best.metric, best.best["value"], position.global_step)
             validator.log_extras(monitor.writer, position.global_step)
-        # A max_steps stop mid-epoch stays where it is (epoch, batch and partial sums), so a longer
-        # run resumed from it continues the epoch exactly; validation doesn't touch the RNGs.
+        # A max_steps stop mid-epoch stays where it is (epoch, batch, partial sums): a longer run resumed from it continues exactly.
         if position.batch_in_epoch >= epoch_batches:
             position.epoch, position.batch_in_epoch, position.epoch_start = position.epoch + 1, 0, 0
             position.epoch_totals = torch.zeros_like(position.epoch_totals)
