@@ -50,16 +50,9 @@ class ArrowImages:
 
 
 def _image_bytes(image: dict | None) -> bytes:
-    """The stored bytes, or those of the file an image that was saved as a path names. An image with
-    neither gives b"", which EncodedImages reports (or skips: data.on_bad_sample) as unreadable."""
-    if image is None:
-        return b""
-    if image["bytes"] is not None:
-        return image["bytes"]
-    try:
-        return Path(image["path"]).read_bytes()
-    except (OSError, TypeError):
-        return b""
+    """The stored bytes (save_to_disk and to_parquet embed an image given as a file path). An image without
+    them gives b"", which EncodedImages reports (or skips: data.on_bad_sample) as unreadable."""
+    return b"" if image is None or image["bytes"] is None else image["bytes"]
 
 
 def build_hf(path: str, image_size: int, augment: str | bool, random_erase: float, interpolation: str,
@@ -103,20 +96,27 @@ def _load_splits(path: str, names: dict[str, str]) -> tuple[dict, dict[str, str]
     if (folder / "dataset_dict.json").is_file():
         saved = datasets.load_from_disk(str(folder))
         _check_split_names(path, names, sorted(saved))
-        return {role: saved[name] for role, name in names.items()}, {role: str(folder / name) for role, name in names.items()}
+        return ({role: saved[name] for role, name in names.items()},
+                {role: str(folder / name) for role, name in names.items()})
     parquet = sorted(folder.glob("*.parquet"))
     if not parquet:
-        single = " (it holds one Dataset: save a DatasetDict of splits)" if (folder / "state.json").is_file() else ""
-        raise ConfigError(f"data.path={path}: neither a DatasetDict written by save_to_disk (no dataset_dict.json){single} "
-                          "nor Parquet files; set data.path to such a folder")
-    # A split's files: <split>.parquet, or <split>-*.parquet (the Hub's train-00000-of-00004.parquet)
-    _check_split_names(path, names, sorted({f.name.removesuffix(".parquet").split("-")[0] for f in parquet}))
-    files = {name: [str(f) for f in parquet if f.name.removesuffix(".parquet").split("-")[0] == name]
-             for name in names.values()}
+        if (folder / "state.json").is_file():
+            raise ConfigError(f"data.path={path}: one Dataset written by save_to_disk, without splits; save a "
+                              "DatasetDict of the train and val splits there")
+        raise ConfigError(f"data.path={path}: neither a DatasetDict written by save_to_disk (no dataset_dict.json) "
+                          "nor Parquet files (<split>.parquet, <split>-*.parquet); set data.path to such a folder")
+    _check_split_names(path, names, sorted({_split_of(f) for f in parquet}))
+    files = {name: [str(f) for f in parquet if _split_of(f) == name] for name in names.values()}
     loaded = datasets.load_dataset("parquet", data_files=files)
     return ({role: loaded[name] for role, name in names.items()},
             {role: files[name][0] if len(files[name]) == 1 else str(folder / f"{name}-*.parquet")
              for role, name in names.items()})
+
+
+def _split_of(parquet_file: Path) -> str:
+    """A Parquet file's split: <split>.parquet, or <split>-*.parquet (the Hub's train-00000-of-00004.parquet).
+    Split names are word characters (datasets' rule), so the first "-" ends one."""
+    return parquet_file.name.removesuffix(".parquet").split("-")[0]
 
 
 def _import_datasets():

@@ -54,7 +54,8 @@ def stores(tmp_path_factory) -> dict[str, Path]:
         datasets.DatasetDict(splits).save_to_disk(str(cwd / "saved"))
         (cwd / "parquet").mkdir()
         for shard in range(2):
-            splits["train"].shard(2, shard, contiguous=True).to_parquet(str(cwd / "parquet" / f"train-0000{shard}-of-00002.parquet"))
+            file = cwd / "parquet" / f"train-0000{shard}-of-00002.parquet"
+            splits["train"].shard(2, shard, contiguous=True).to_parquet(str(file))
         splits["validation"].to_parquet(str(cwd / "parquet" / "validation.parquet"))
         return {}
 
