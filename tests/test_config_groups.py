@@ -21,6 +21,7 @@ from data import build_datasets
 from data.digits import build_digits
 from data.shapes import build_shapes
 from data.synthetic import build_synthetic
+from data.hf import build_hf
 from data.vision import build_cifar10, build_imagefolder
 from data.voc import build_voc
 from models import build_model
@@ -55,6 +56,7 @@ OPTIONS = {
         "cifar10": build_cifar10,
         "shapes": build_shapes,
         "voc": build_voc,
+        "hf": build_hf,
     },
     "optim": {"sgd": schema.SGDConfig, "adam": schema.AdamConfig, "adamw": schema.AdamConfig},
     "scheduler": {"none": schema.SchedulerConfig, "cosine": schema.CosineSchedulerConfig, "step": schema.StepSchedulerConfig},
@@ -113,6 +115,8 @@ OPTION_KEYS = {
     ("data", "shapes"): {*LOADING, "num_samples", "num_val_samples", "image_size", "num_classes", "data_seed", "augment",
                          "max_shapes"},
     ("data", "voc"): {*LOADING, "root", "num_classes", "base_size", "crop_size", "class_names"},
+    ("data", "hf"): {*LOADING, "path", "image_column", "label_column", "train_split", "val_split", "image_size", "augment",
+                     "views", "random_erase", "interpolation", "on_bad_sample"},
     ("optim", "sgd"): {"_target_", "lr", "lr_scaling", "reference_batch_size", "momentum", "weight_decay", "nesterov"},
     ("optim", "adam"): {"_target_", "lr", "lr_scaling", "reference_batch_size", "weight_decay"},
     ("optim", "adamw"): {"_target_", "lr", "lr_scaling", "reference_batch_size", "weight_decay"},
@@ -216,8 +220,9 @@ def test_hydra_config_prints_resolved(tmp_path, monkeypatch, capsys):
     assert run_dir.startswith("outputs/") and "$" not in run_dir
 
 
-# imagefolder and voc ship data.root as MISSING (test_imagefolder_requires_a_root, tests/test_segmentation.py)
-@pytest.mark.parametrize("group, option", [(g, o) for g, o in ALL_OPTIONS if (g, o) not in {("data", "imagefolder"), ("data", "voc")}])
+# imagefolder and voc ship data.root as MISSING (test_imagefolder_requires_a_root, tests/test_segmentation.py), hf data.path
+@pytest.mark.parametrize("group, option", [(g, o) for g, o in ALL_OPTIONS
+                                           if (g, o) not in {("data", "imagefolder"), ("data", "voc"), ("data", "hf")}])
 def test_option_passes_validation(group, option, tmp_path, monkeypatch):
     """Every option's defaults are valid as shipped (cifar10's default root is relative to the working dir)."""
     monkeypatch.chdir(tmp_path)
