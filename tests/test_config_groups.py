@@ -22,6 +22,7 @@ from data.digits import build_digits
 from data.shapes import build_shapes
 from data.synthetic import build_synthetic
 from data.vision import build_cifar10, build_imagefolder
+from data.webdataset import build_webdataset
 from data.voc import build_voc
 from models import build_model
 from models.resnet import build_resnet18
@@ -55,6 +56,7 @@ OPTIONS = {
         "cifar10": build_cifar10,
         "shapes": build_shapes,
         "voc": build_voc,
+        "webdataset": build_webdataset,
     },
     "optim": {"sgd": schema.SGDConfig, "adam": schema.AdamConfig, "adamw": schema.AdamConfig},
     "scheduler": {"none": schema.SchedulerConfig, "cosine": schema.CosineSchedulerConfig, "step": schema.StepSchedulerConfig},
@@ -112,6 +114,8 @@ OPTION_KEYS = {
     ("data", "shapes"): {*LOADING, "num_samples", "num_val_samples", "image_size", "num_classes", "data_seed", "augment",
                          "max_shapes"},
     ("data", "voc"): {*LOADING, "root", "num_classes", "base_size", "crop_size", "class_names"},
+    ("data", "webdataset"): {*LOADING, "train_shards", "val_shards", "test_shards", "num_classes", "image_size", "augment",
+                             "views", "random_erase", "interpolation", "on_bad_sample"},
     ("optim", "sgd"): {"_target_", "lr", "lr_scaling", "reference_batch_size", "momentum", "weight_decay", "nesterov"},
     ("optim", "adam"): {"_target_", "lr", "lr_scaling", "reference_batch_size", "weight_decay"},
     ("optim", "adamw"): {"_target_", "lr", "lr_scaling", "reference_batch_size", "weight_decay"},
@@ -215,8 +219,10 @@ def test_hydra_config_prints_resolved(tmp_path, monkeypatch, capsys):
     assert run_dir.startswith("outputs/") and "$" not in run_dir
 
 
-# imagefolder and voc ship data.root as MISSING (test_imagefolder_requires_a_root, tests/test_segmentation.py)
-@pytest.mark.parametrize("group, option", [(g, o) for g, o in ALL_OPTIONS if (g, o) not in {("data", "imagefolder"), ("data", "voc")}])
+# imagefolder and voc ship data.root as MISSING (test_imagefolder_requires_a_root, tests/test_segmentation.py), webdataset
+# its shards (tests/test_webdataset.py)
+@pytest.mark.parametrize("group, option", [(g, o) for g, o in ALL_OPTIONS
+                                          if (g, o) not in {("data", "imagefolder"), ("data", "voc"), ("data", "webdataset")}])
 def test_option_passes_validation(group, option, tmp_path, monkeypatch):
     """Every option's defaults are valid as shipped (cifar10's default root is relative to the working dir)."""
     monkeypatch.chdir(tmp_path)

@@ -149,7 +149,7 @@ def test_an_interrupted_conversion_is_refused_and_written_again(tmp_path):
     assert (out / "train-000000.tar").is_file() and not (out / "dataset.json").exists()
 
     refused = launch(["data=webdataset", f"data.train_shards={out}/train-000000.tar",
-                      f"data.val_shards={out}/train-000000.tar"], tmp_path)
+                      f"data.val_shards={out}/train-000000.tar", *SMALL, "data.num_workers=0"], tmp_path)
     assert "interrupted conversion" in one_error_line(refused, tmp_path) and "python -m data.shards" in refused.stderr
 
     unreadable.unlink()
@@ -213,6 +213,7 @@ BAD = {
 def test_bad_shards_are_one_line_naming_the_shard_and_the_fix(case, trained, tmp_path):
     make, expected = BAD[case]
     overrides = make(tmp_path, trained["shards"])
-    result = launch(["data=webdataset", f"data.val_shards={trained['shards']}/val-000000.tar", *overrides], tmp_path)
+    result = launch(["data=webdataset", f"data.val_shards={trained['shards']}/val-000000.tar", *SMALL, "data.num_workers=0",
+                     *overrides], tmp_path)
     line = one_error_line(result, tmp_path)
     assert expected in line, line
