@@ -54,7 +54,10 @@ def expand_shards(pattern: str, key: str) -> list[Path]:
     """The shards a brace pattern (`/data/train-{000000..000127}.tar`) or a path names, each an existing file."""
     from braceexpand import braceexpand
 
-    shards = [local_shard(name) for name in braceexpand(pattern)]
+    try:
+        shards = [local_shard(name) for name in braceexpand(pattern)]
+    except ConfigError as error:
+        raise ConfigError(f"{key}={pattern}: {error}") from None
     missing = [shard for shard in shards if not shard.is_file()]
     if len(missing) == len(shards):
         raise ConfigError(f"{key}={pattern}: matches no file; give a shard path or a brace pattern "
