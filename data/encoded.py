@@ -33,10 +33,12 @@ class EncodedImages(Dataset):
     is one line naming the sample. An image that can't be decoded stops the run with one line naming it
     (on_bad_sample=error), or is replaced by the split's next readable sample, wrapping around (skip),
     which depends on the data alone: the same on every rank, epoch and resume. `skipped` flags each
-    replaced index, in shared memory so that DataLoader workers' flags reach the rank."""
+    replaced index, in shared memory so that DataLoader workers' flags reach the rank. `decode` turns a
+    sample's bytes into what the transform takes (a format storing tensors passes its own; it raises
+    ValueError for bytes it can't read)."""
 
-    def __init__(self, reader, transform, num_classes: int, split: str, on_bad_sample: str):
-        self.reader, self.transform, self.num_classes = reader, transform, num_classes
+    def __init__(self, reader, transform, num_classes: int, split: str, on_bad_sample: str, decode=decode_image):
+        self.reader, self.transform, self.num_classes, self.decode = reader, transform, num_classes, decode
         self.split, self.on_bad_sample = split, on_bad_sample
         self.skipped = torch.zeros(len(reader), dtype=torch.uint8).share_memory_()
 
@@ -57,7 +59,7 @@ class EncodedImages(Dataset):
                 raise BadSample(f"{self.reader.where(candidate)} ({self.split} split): label {label} is outside "
                                 f"[0, {self.num_classes}); fix the shard's label, or the dataset's class count")
             try:
-                image = decode_image(data)
+                image = self.decode(data)
             except (OSError, SyntaxError, ValueError) as error:  # what PIL raises for broken bytes
                 if self.on_bad_sample == "error":
                     raise BadSample(f"{self.reader.where(candidate)} ({self.split} split): unreadable image "

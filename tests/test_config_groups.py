@@ -23,6 +23,7 @@ from data.shapes import build_shapes
 from data.synthetic import build_synthetic
 from data.hf import build_hf
 from data.vision import build_cifar10, build_imagefolder
+from data.webdataset import build_webdataset
 from data.voc import build_voc
 from models import build_model
 from models.resnet import build_resnet18
@@ -57,6 +58,7 @@ OPTIONS = {
         "shapes": build_shapes,
         "voc": build_voc,
         "hf": build_hf,
+        "webdataset": build_webdataset,
     },
     "optim": {"sgd": schema.SGDConfig, "adam": schema.AdamConfig, "adamw": schema.AdamConfig},
     "scheduler": {"none": schema.SchedulerConfig, "cosine": schema.CosineSchedulerConfig, "step": schema.StepSchedulerConfig},
@@ -117,6 +119,8 @@ OPTION_KEYS = {
     ("data", "voc"): {*LOADING, "root", "num_classes", "base_size", "crop_size", "class_names"},
     ("data", "hf"): {*LOADING, "path", "image_column", "label_column", "train_split", "val_split", "image_size", "augment",
                      "views", "random_erase", "interpolation", "on_bad_sample"},
+    ("data", "webdataset"): {*LOADING, "train_shards", "val_shards", "test_shards", "num_classes", "image_size", "augment",
+                             "views", "random_erase", "interpolation", "on_bad_sample"},
     ("optim", "sgd"): {"_target_", "lr", "lr_scaling", "reference_batch_size", "momentum", "weight_decay", "nesterov"},
     ("optim", "adam"): {"_target_", "lr", "lr_scaling", "reference_batch_size", "weight_decay"},
     ("optim", "adamw"): {"_target_", "lr", "lr_scaling", "reference_batch_size", "weight_decay"},
@@ -221,8 +225,9 @@ def test_hydra_config_prints_resolved(tmp_path, monkeypatch, capsys):
 
 
 # imagefolder and voc ship data.root as MISSING (test_imagefolder_requires_a_root, tests/test_segmentation.py), hf data.path
-@pytest.mark.parametrize("group, option", [(g, o) for g, o in ALL_OPTIONS
-                                           if (g, o) not in {("data", "imagefolder"), ("data", "voc"), ("data", "hf")}])
+# and webdataset its shards (tests/test_hf_data.py, tests/test_webdataset.py)
+@pytest.mark.parametrize("group, option", [(g, o) for g, o in ALL_OPTIONS if (g, o) not in
+                                           {("data", "imagefolder"), ("data", "voc"), ("data", "hf"), ("data", "webdataset")}])
 def test_option_passes_validation(group, option, tmp_path, monkeypatch):
     """Every option's defaults are valid as shipped (cifar10's default root is relative to the working dir)."""
     monkeypatch.chdir(tmp_path)

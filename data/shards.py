@@ -1,0 +1,188 @@
+"""Convert a dataset to tar shards in WebDataset's layout, for data=webdataset (docs/sharded-data.md):
+
+    python -m data.shards OUT_DIR data=<option> [data.* keys] [--samples-per-shard N]
+
+The data config is composed from conf/ as train.py composes it, the splits are built by their builder,
+and each split's samples are written in their order: `<split>-000000.tar`, ..., each sample's key its
+index in the split. An ImageFolder's images keep their file's bytes and extension (so the shards train
+exactly as the folder does); a tensor dataset's images are stored as tensors (`pth`, torch.save).
+
+Each shard is written to `<shard>.tmp`, fsynced and renamed, with its index; `dataset.json`, listing the
+shards, their sample counts and the class names, is written last. While the conversion runs
+`dataset.partial.json` marks the folder: an interrupted conversion is refused by data=webdataset and
+written again by the next run of the converter."""
+
+import argparse
+import io
+import json
+import os
+import shlex
+import sys
+from pathlib import Path
+
+import torch
+from torch.utils.data import TensorDataset
+
+from data.webdataset import (IMAGE_EXTENSIONS, LABEL_EXTENSION, MANIFEST, PARTIAL_MANIFEST, TENSOR_EXTENSION,
+                             load_index)
+from ddp.config.schema import ConfigError
+
+CONF = Path(__file__).resolve().parents[1] / "conf"
+SHARD_NAME = "{split}-{number:06d}.tar"
+
+
+def compose_data_config(overrides: list[str]):
+    """The `data` node train.py would run with these overrides (only data=... and data.* keys)."""
+    from hydra import compose, initialize_config_dir
+    from hydra.errors import HydraException
+
+    from ddp.config.schema import register_configs
+
+    others = [override for override in overrides if not override.lstrip("+~").startswith("data")]
+    if others:
+        raise ConfigError(f"{others[0]}: the converter takes data=<option> and data.* keys only")
+    register_configs()
+    try:
+        with initialize_config_dir(config_dir=str(CONF), version_base="1.3"):
+            return compose("config", overrides=overrides).data
+    except HydraException as error:
+        raise ConfigError(" ".join(str(error).split())) from None
+
+
+def stored_samples(dataset, split: str, option: str):
+    """(count, sample(i) -> (extension, bytes, label)): a split's samples as stored, before any transform."""
+    if hasattr(dataset, "samples") and hasattr(dataset, "loader"):  # an ImageFolder: its files' own bytes
+        def image_file(index: int) -> tuple[str, bytes, int]:
+            path, label = dataset.samples[index]
+            try:
+                return Path(path).suffix[1:].lower(), Path(path).read_bytes(), label
+            except OSError as error:
+                raise ConfigError(f"{path}: can't be read ({error.strerror}); fix or remove the file, then run the "
+                                  "converter again (it writes the interrupted conversion again)") from None
+
+        unknown = sorted({Path(path).suffix.lower() for path, _ in dataset.samples} - {f".{e}" for e in IMAGE_EXTENSIONS})
+        if unknown:
+            raise ConfigError(f"data={option}: the {split} split has {unknown[0]} files; "
+                              f"shards store {', '.join(IMAGE_EXTENSIONS)}: convert those images first")
+        return len(dataset.samples), image_file
+    if isinstance(dataset, TensorDataset) and len(dataset.tensors) == 2:
+        images, labels = dataset.tensors
+
+        def tensor(index: int) -> tuple[str, bytes, int]:
+            buffer = io.BytesIO()
+            torch.save(images[index].clone(), buffer)  # clone: a view would save the whole split's storage
+            return TENSOR_EXTENSION, buffer.getvalue(), int(labels[index])
+
+        return len(images), tensor
+    raise ConfigError(f"data={option}: its {split} split is a {type(dataset).__name__}, which transforms samples as it "
+                      "loads them; the converter stores ImageFolder files and TensorDataset tensors: "
+                      "set data.augment=false data.views=1 (a tensor dataset), or convert the images to an ImageFolder")
+
+
+def prepare(out_dir: Path) -> None:
+    """An empty or new folder, or one an interrupted conversion left (its shards are written again)."""
+    if (out_dir / MANIFEST).exists():
+        raise ConfigError(f"{out_dir}: already holds converted shards ({MANIFEST}); delete the folder or choose another")
+    if (out_dir / PARTIAL_MANIFEST).exists():
+        print(f"{out_dir}: an interrupted conversion ({PARTIAL_MANIFEST}): writing it again", file=sys.stderr)
+        for leftover in out_dir.iterdir():
+            if leftover.name.endswith((".tar", ".tar.tmp", ".tmp")) or leftover.name.endswith(".tar.idx.json"):
+                leftover.unlink()
+    elif out_dir.exists() and any(out_dir.iterdir()):
+        raise ConfigError(f"{out_dir}: not empty; write the shards to an empty or new folder")
+    out_dir.mkdir(parents=True, exist_ok=True)
+
+
+def write_shards(out_dir: Path, split: str, count: int, sample, samples_per_shard: int, progress) -> dict:
+    """The split's samples in order, samples_per_shard a shard, each shard written atomically with its index."""
+    from webdataset import TarWriter
+
+    names, counts = [], []
+    for first in range(0, count, samples_per_shard):
+        path = out_dir / SHARD_NAME.format(split=split, number=len(names))
+        tmp = path.with_name(path.name + ".tmp")
+        with open(tmp, "wb") as stream:
+            with TarWriter(stream, encoder=False, mtime=0) as writer:
+                for index in range(first, min(first + samples_per_shard, count)):
+                    extension, data, label = sample(index)
+                    writer.write({"__key__": f"{index:09d}", extension: data, LABEL_EXTENSION: str(label).encode()})
+                    progress.update()
+            stream.flush()
+            os.fsync(stream.fileno())
+        os.replace(tmp, path)
+        load_index(path)  # built and saved now, beside the shard
+        names.append(path.name)
+        counts.append(min(samples_per_shard, count - first))
+    return {"shards": names, "samples": counts}
+
+
+def write_json_atomically(path: Path, content: dict) -> None:
+    tmp = path.with_name(path.name + ".tmp")
+    with open(tmp, "w") as stream:
+        json.dump(content, stream, indent=1)
+        stream.flush()
+        os.fsync(stream.fileno())
+    os.replace(tmp, path)
+
+
+def convert(out_dir: Path, overrides: list[str], samples_per_shard: int, progress_bar: bool = True) -> str:
+    """Write the shards and dataset.json; the train.py overrides that train on them."""
+    from tqdm import tqdm
+
+    from data import build_datasets
+
+    if samples_per_shard < 1:
+        raise ConfigError(f"--samples-per-shard={samples_per_shard}: must be at least 1")
+    data_cfg = compose_data_config(overrides)
+    option = data_cfg._target_.rpartition(".")[2].removeprefix("build_")
+    splits = build_datasets(data_cfg)
+    datasets = {"train": splits.train, "val": splits.val, "test": splits.test}
+    stored = {split: stored_samples(dataset, split, option) for split, dataset in datasets.items() if dataset is not None}
+    out_dir = out_dir.resolve()
+    prepare(out_dir)
+    write_json_atomically(out_dir / PARTIAL_MANIFEST, {"overrides": overrides})
+    written = {}
+    with tqdm(total=sum(count for count, _ in stored.values()), unit="sample", disable=not progress_bar) as progress:
+        for split, (count, sample) in stored.items():
+            written[split] = write_shards(out_dir, split, count, sample, samples_per_shard, progress)
+    class_names = splits.class_names or getattr(splits.train, "classes", None)
+    write_json_atomically(out_dir / MANIFEST, {"num_classes": splits.num_classes, "class_names": class_names,
+                                               "in_channels": splits.in_channels, "source": overrides, "splits": written})
+    (out_dir / PARTIAL_MANIFEST).unlink()
+    tensors = any(sample(0)[0] == TENSOR_EXTENSION for count, sample in stored.values() if count)
+    return training_overrides(out_dir, {split: len(w["shards"]) for split, w in written.items()}, tensors)
+
+
+def training_overrides(out_dir: Path, shard_counts: dict[str, int], tensors: bool) -> str:
+    """`data=webdataset data.train_shards=... ...`, quoted for a POSIX shell: Hydra needs a brace pattern
+    in quotes (`'...{000000..000003}.tar'`), and the shell needs the whole override in quotes too."""
+    overrides = ["data=webdataset"]
+    for split, count in shard_counts.items():
+        if count == 0:
+            continue
+        last = SHARD_NAME.format(split=split, number=count - 1)
+        name = last if count == 1 else f"{split}-{{{0:06d}..{count - 1:06d}}}.tar"
+        value = str(out_dir / name).replace("\\", "\\\\").replace("'", "\\'")
+        override = f"data.{split}_shards='{value}'"
+        overrides.append(f'"{override}"' if not set(override) & set('"$`\\!') else shlex.quote(override))
+    if tensors:
+        overrides.append("data.augment=none")
+    return " ".join(overrides)
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(prog="python -m data.shards", description=__doc__.split("\n\n")[0])
+    parser.add_argument("out_dir", type=Path, help="the folder to write the shards and dataset.json to")
+    parser.add_argument("overrides", nargs="*", help="data=<option> and data.* keys, as train.py takes them")
+    parser.add_argument("--samples-per-shard", type=int, default=1000)
+    args = parser.parse_intermixed_args(argv)
+    try:
+        line = convert(args.out_dir, args.overrides, args.samples_per_shard)
+    except ConfigError as error:
+        sys.stderr.write(f"error: {error}\n")
+        sys.exit(1)
+    print(f"wrote {args.out_dir}; train on it with:\n  python train.py {line}")
+
+
+if __name__ == "__main__":
+    main()

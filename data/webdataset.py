@@ -1,0 +1,294 @@
+"""Tar shards in WebDataset's layout, read as a map-style dataset (`data=webdataset`; docs/sharded-data.md).
+
+A sample is the tar members sharing a key (the member's path up to the first dot of its name): the
+image under one of IMAGE_EXTENSIONS (or a tensor under TENSOR_EXTENSION, which python -m data.shards
+writes for tensor datasets) and its label under `cls`, an ASCII integer. Random access goes through an
+index of each shard, `<shard>.idx.json` beside it: each sample's key, the image member's data offset
+and size, and the label. It is built on first use by whichever process needs it (written atomically,
+so ranks racing on it are safe) and checked against its shard's size and mtime on every use.
+
+Decoding, the label check, data.on_bad_sample and the transforms are EncodedImages' (data/encoded.py),
+with ImageFolder's transforms: shards written from an ImageFolder train to the very weights the folder
+does. Every bad input that can be seen at startup (a pattern matching no file, a shard that isn't a
+tar, a sample without an image or a label, a label outside the classes, a stale index, an interrupted
+conversion) is a one-line ConfigError before anything starts; an unreadable image is found mid-run."""
+
+import io
+import json
+import logging
+import os
+import tarfile
+import tempfile
+from pathlib import Path
+
+import torch
+
+from data import DataSplits
+from data.encoded import EncodedImages
+from data.presets import imagefolder_transforms
+from data.views import check_views
+from data.vision import ON_BAD_SAMPLE, BadSample
+from ddp.config.schema import ConfigError
+
+log = logging.getLogger(__name__)
+
+# The image extensions PIL decodes as ImageFolder would (WebDataset's own are jpg, jpeg, png, webp).
+IMAGE_EXTENSIONS = ("jpg", "jpeg", "png", "webp", "ppm", "pgm", "bmp", "tif", "tiff")
+TENSOR_EXTENSION = "pth"  # torch.save of a float tensor, loaded with weights_only=True
+LABEL_EXTENSION = "cls"
+INDEX_SUFFIX = ".idx.json"
+INDEX_FORMAT = 1
+MANIFEST = "dataset.json"  # python -m data.shards writes it last: class names, shards and their sample counts
+PARTIAL_MANIFEST = "dataset.partial.json"  # present while a conversion runs, and after one was interrupted
+
+
+def local_shard(url: str) -> Path:
+    """The local file a shard's name stands for: the one place a shard is opened from, so that other
+    sources (an http(s) URL through a local cache) are one more case here."""
+    if "://" in url:
+        raise ConfigError(f"{url}: only local shard paths are read; copy the shards to a local or mounted disk")
+    return Path(url)
+
+
+def expand_shards(pattern: str, key: str) -> list[Path]:
+    """The shards a brace pattern (`/data/train-{000000..000127}.tar`) or a path names, each an existing file."""
+    from braceexpand import braceexpand
+
+    try:
+        shards = [local_shard(name) for name in braceexpand(pattern)]
+    except ConfigError as error:
+        raise ConfigError(f"{key}={pattern}: {error}") from None
+    missing = [shard for shard in shards if not shard.is_file()]
+    if len(missing) == len(shards):
+        raise ConfigError(f"{key}={pattern}: matches no file; give a shard path or a brace pattern "
+                          "such as /data/train-{000000..000127}.tar")
+    if missing:
+        raise ConfigError(f"{key}={pattern}: {missing[0]} does not exist ({len(missing)} of the {len(shards)} "
+                          "shards the pattern names are missing); fix the pattern or copy the missing shards")
+    return shards
+
+
+def split_member_name(name: str) -> tuple[str, str]:
+    """(key, extension) as WebDataset splits a member's path: the extension is all after the first dot
+    of the file name, lower-cased."""
+    folder, _, file_name = name.rpartition("/")
+    stem, _, extension = file_name.partition(".")
+    return (f"{folder}/{stem}" if folder else stem), extension.lower()
+
+
+def build_index(shard: Path) -> dict:
+    """The shard's samples in their order: [key, image extension, data offset, size, label] each. Reads
+    the headers (tarfile seeks past the data) and each sample's small label member."""
+    members: dict[str, dict[str, tarfile.TarInfo]] = {}
+    try:
+        with tarfile.open(shard, mode="r:") as archive:
+            for member in archive:
+                if not member.isfile():
+                    continue
+                key, extension = split_member_name(member.name)
+                if extension in members.setdefault(key, {}):
+                    raise ConfigError(f"{shard}: key {key} has two {extension} members; "
+                                      "give each sample its own key and rewrite the shard")
+                members[key][extension] = member
+            samples = [_index_entry(shard, archive, key, files) for key, files in members.items()]
+    except (tarfile.ReadError, EOFError) as error:
+        raise ConfigError(f"{shard}: not a readable tar file ({error}); rewrite the shard "
+                          "(python -m data.shards, or tar -cf) or leave it out of the pattern") from None
+    stat = shard.stat()
+    return {"format": INDEX_FORMAT, "shard_bytes": stat.st_size, "shard_mtime_ns": stat.st_mtime_ns, "samples": samples}
+
+
+def _index_entry(shard: Path, archive: tarfile.TarFile, key: str, files: dict[str, tarfile.TarInfo]) -> list:
+    images = [extension for extension in (*IMAGE_EXTENSIONS, TENSOR_EXTENSION) if extension in files]
+    if not images:
+        raise ConfigError(f"{shard}: sample {key} has no image (members: {', '.join(sorted(files))}; "
+                          f"expected one of {', '.join(IMAGE_EXTENSIONS)}, or {TENSOR_EXTENSION}); "
+                          "add it or remove the sample's members from the shard")
+    if LABEL_EXTENSION not in files:
+        raise ConfigError(f"{shard}: sample {key} has no label (a {key}.{LABEL_EXTENSION} member holding the class "
+                          "as an integer); add it or remove the sample's members from the shard")
+    text = archive.extractfile(files[LABEL_EXTENSION]).read().decode("ascii", "replace").strip()
+    try:
+        label = int(text)
+    except ValueError:
+        raise ConfigError(f"{shard}: sample {key}'s {LABEL_EXTENSION} holds {text[:40]!r}, not an integer class; "
+                          "fix the label in the shard") from None
+    image = files[images[0]]
+    return [key, images[0], image.offset_data, image.size, label]
+
+
+def load_index(shard: Path) -> dict:
+    """The shard's index, read from beside it, or built and saved there when missing. One that
+    disagrees with its shard is refused, naming the fix."""
+    index_path = shard.with_name(shard.name + INDEX_SUFFIX)
+    if not index_path.exists():
+        index = build_index(shard)
+        _save_atomically(index_path, index)
+        return index
+    stale = f"{index_path}: disagrees with its shard {shard.name}"
+    fix = "delete the index to rebuild it from the shard"
+    try:
+        index = json.loads(index_path.read_text())
+        recorded = (index["format"], index["shard_bytes"], index["shard_mtime_ns"])
+        samples = index["samples"]
+    except (ValueError, KeyError, TypeError) as error:
+        raise ConfigError(f"{index_path}: not a readable shard index ({type(error).__name__}: {error}); {fix}") from None
+    stat = shard.stat()
+    if recorded != (INDEX_FORMAT, stat.st_size, stat.st_mtime_ns):
+        raise ConfigError(f"{stale} (written for {recorded[1]} bytes modified at {recorded[2]} ns, format "
+                          f"{recorded[0]}; the shard has {stat.st_size} bytes modified at {stat.st_mtime_ns} ns); {fix}")
+    if any(offset + size > stat.st_size for _, _, offset, size, _ in samples):
+        raise ConfigError(f"{stale} (a sample lies beyond the shard's {stat.st_size} bytes); {fix}")
+    return index
+
+
+def _save_atomically(path: Path, index: dict) -> None:
+    """tmp file, then os.replace: a reader sees no index or a whole one. Ranks building the same index
+    at once write the same content, each through its own tmp file. A read-only folder keeps it in memory."""
+    try:
+        with tempfile.NamedTemporaryFile("w", dir=path.parent, prefix=path.name + ".", suffix=".tmp",
+                                         delete=False) as tmp:
+            json.dump(index, tmp)
+        os.replace(tmp.name, path)
+    except OSError as error:
+        log.warning("%s: can't save the shard index (%s); it is rebuilt at every start", path, error)
+
+
+class ShardReader:
+    """The samples of a split's shards, in shard order then tar order, read by index: a reader for
+    EncodedImages (data/encoded.py). Shard files are opened lazily by each process (DataLoader workers
+    included) and read with os.pread, so no descriptor or file offset is shared across processes."""
+
+    def __init__(self, shards: list[Path], indexes: list[dict]):
+        self.shards = shards
+        self.samples = [(shard_number, *sample) for shard_number, index in enumerate(indexes) for sample in index["samples"]]
+        self.shard_sizes = [len(index["samples"]) for index in indexes]
+        self._files: dict[int, int] = {}
+        self._pid = os.getpid()
+
+    def __len__(self) -> int:
+        return len(self.samples)
+
+    def __getstate__(self) -> dict:
+        return {**self.__dict__, "_files": {}}  # descriptors don't travel to another process
+
+    def where(self, index: int) -> str:
+        shard_number, key = self.samples[index][:2]
+        return f"{self.shards[shard_number]}, key {key} (index {index})"
+
+    def label(self, index: int) -> int:
+        return self.samples[index][5]
+
+    def extension(self, index: int) -> str:
+        return self.samples[index][2]
+
+    def __getitem__(self, index: int) -> tuple[bytes, int]:
+        shard_number, _, _, offset, size, label = self.samples[index]
+        data = os.pread(self._file(shard_number), size, offset)
+        if len(data) != size:
+            raise BadSample(f"{self.where(index)}: the shard ends before the sample ({len(data)} of {size} bytes); "
+                            "the shard changed after its index was built: delete its index to rebuild it")
+        return data, label
+
+    def _file(self, shard_number: int) -> int:
+        if self._pid != os.getpid():  # a forked child: its parent's descriptors are the parent's
+            self._files, self._pid = {}, os.getpid()
+        if shard_number not in self._files:
+            self._files[shard_number] = os.open(self.shards[shard_number], os.O_RDONLY)
+        return self._files[shard_number]
+
+
+def load_tensor(data: bytes) -> torch.Tensor:
+    """A TENSOR_EXTENSION sample: a tensor saved with torch.save, loaded without running pickled code."""
+    try:
+        return torch.load(io.BytesIO(data), weights_only=True)
+    except Exception as error:  # unpickling errors, RuntimeError for a broken zip: EncodedImages' bad sample
+        raise ValueError(f"not a saved tensor ({type(error).__name__})") from None
+
+
+def read_manifest(shards: list[Path], key: str) -> dict | None:
+    """The converter's dataset.json beside the shards, or None for shards written by other tools. Shards
+    of an interrupted conversion are refused."""
+    folder = shards[0].parent
+    if (folder / PARTIAL_MANIFEST).exists():
+        raise ConfigError(f"{key}: {folder} holds an interrupted conversion ({PARTIAL_MANIFEST}, no {MANIFEST}); "
+                          f"run python -m data.shards {folder} ... again to finish it")
+    manifest_path = folder / MANIFEST
+    if not manifest_path.exists():
+        return None
+    try:
+        return json.loads(manifest_path.read_text())
+    except ValueError as error:
+        raise ConfigError(f"{manifest_path}: not readable JSON ({error}); write the shards again with python -m data.shards") from None
+
+
+def check_against_manifest(manifest: dict, split: str, shards: list[Path], indexes: list[dict]) -> None:
+    """A shard the manifest lists must hold the samples it counted (a shard replaced since is refused)."""
+    listed = manifest.get("splits", {}).get(split, {})
+    counts = dict(zip(listed.get("shards", []), listed.get("samples", [])))
+    for shard, index in zip(shards, indexes):
+        if shard.name in counts and counts[shard.name] != len(index["samples"]):
+            raise ConfigError(f"{shard}: holds {len(index['samples'])} samples where {shard.parent / MANIFEST} counts "
+                              f"{counts[shard.name]}; write the shards again with python -m data.shards")
+
+
+def build_webdataset(train_shards: str, val_shards: str, image_size: int, augment: str | bool, random_erase: float,
+                     interpolation: str, on_bad_sample: str = "error", views: int = 1, num_classes: int | None = None,
+                     test_shards: str | None = None) -> DataSplits:
+    """The shards of each split (brace patterns or paths), decoded and transformed as data=imagefolder
+    does. num_classes: data.num_classes, else the converter's dataset.json, else the largest label + 1."""
+    check_views(views)
+    if on_bad_sample not in ON_BAD_SAMPLE:
+        raise ConfigError(f"data.on_bad_sample={on_bad_sample}: must be one of {' | '.join(ON_BAD_SAMPLE)}")
+    patterns = {"train": train_shards, "val": val_shards, "test": test_shards}
+    shards = {split: expand_shards(pattern, f"data.{split}_shards") for split, pattern in patterns.items() if pattern}
+    manifest = read_manifest(shards["train"], "data.train_shards")
+    readers = {}
+    for split, paths in shards.items():
+        if split != "train":
+            read_manifest(paths, f"data.{split}_shards")  # an interrupted conversion there too
+        indexes = [load_index(path) for path in paths]
+        if manifest is not None:
+            check_against_manifest(manifest, split, paths, indexes)
+        readers[split] = ShardReader(paths, indexes)
+    num_classes, class_names = _classes(readers, manifest, num_classes)
+    tensors = readers["train"].extension(0) == TENSOR_EXTENSION if len(readers["train"]) else False
+    if tensors:
+        transforms = _tensor_transforms(augment, views)
+        in_channels = load_tensor(readers["train"][0][0]).shape[0]
+    else:
+        train_transform, eval_transform = imagefolder_transforms(image_size, augment, random_erase, interpolation, views)
+        transforms = {"train": train_transform, "val": eval_transform, "test": eval_transform}
+        in_channels = 3
+    decode = {"decode": load_tensor} if tensors else {}
+    splits = {split: EncodedImages(reader, transforms[split], num_classes, split, on_bad_sample, **decode)
+              for split, reader in readers.items()}
+    return DataSplits(splits["train"], splits["val"], num_classes=num_classes, in_channels=in_channels,
+                      test=splits.get("test"), class_names=class_names)
+
+
+def _classes(readers: dict[str, ShardReader], manifest: dict | None, num_classes: int | None):
+    """(num_classes, class names or None), every label checked against the count here, at startup."""
+    class_names = manifest.get("class_names") if manifest else None
+    if num_classes is None:
+        if manifest is not None:
+            num_classes = manifest["num_classes"]
+        else:  # shards written by other tools: the labels say how many classes there are
+            num_classes = 1 + max((reader.label(i) for reader in readers.values() for i in range(len(reader))), default=0)
+    if class_names is not None and len(class_names) != num_classes:
+        class_names = None  # data.num_classes overrides the manifest's classes: their names no longer fit
+    for split, reader in readers.items():
+        for index in range(len(reader)):
+            if not 0 <= reader.label(index) < num_classes:
+                raise ConfigError(f"{reader.where(index)} ({split} split): label {reader.label(index)} is outside "
+                                  f"[0, {num_classes}); fix the shard's label, or set data.num_classes")
+    return num_classes, class_names
+
+
+def _tensor_transforms(augment: str | bool, views: int) -> dict:
+    """Tensor shards (from data=digits or data=synthetic) train on their tensors as stored: the image
+    transforms are for encoded images."""
+    if augment not in (False, "none") or views != 1:
+        raise ConfigError(f"data.augment={augment}, data.views={views}: these shards hold tensors ({TENSOR_EXTENSION}), "
+                          "which train as stored; set data.augment=none data.views=1")
+    return {"train": None, "val": None, "test": None}

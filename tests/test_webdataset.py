@@ -1,0 +1,219 @@
+"""data=webdataset and python -m data.shards (data/webdataset.py, data/shards.py), through the real command
+lines: an ImageFolder converted to shards trains to the folder's bit-identical weights with augmentation
+on; the converter's printed overrides run as printed through bash; shards written by `tar` train, their
+index built on first use; an interrupted conversion is refused and written again; every bad input is one
+`error:` line before anything starts; mode=eval on the shards is exact at 1 and 3 ranks."""
+
+import json
+import shutil
+import subprocess
+import sys
+import tarfile
+from pathlib import Path
+
+import pytest
+
+from conftest import (REPO, TRAIN, assert_same_weights, check, final_weights, launch, results_of, run_dirs,
+                      run_in_this_process, shared_run)
+from test_sample_seeds import photos, write_photo_imagefolder  # noqa: F401 (photos: the shared JPEG ImageFolder)
+
+SMALL = ["data.image_size=16", "model.channels=[8,16]", "checkpoint.keep_best=0", "data.batch_size=16",
+         "trainer.max_epochs=1", "trainer.max_steps=3"]
+
+
+def convert(out_dir: Path, overrides: list[str], samples_per_shard: int, cwd: Path) -> subprocess.CompletedProcess:
+    """python -m data.shards, as a user runs it."""
+    return subprocess.run([sys.executable, "-m", "data.shards", str(out_dir), *overrides,
+                           f"--samples-per-shard={samples_per_shard}"],
+                          cwd=REPO, capture_output=True, text=True, timeout=180)
+
+
+def printed_overrides(result: subprocess.CompletedProcess) -> str:
+    """The overrides after `python train.py` on the converter's last line."""
+    return result.stdout.strip().splitlines()[-1].split("python train.py ", 1)[1]
+
+
+def run_through_bash(overrides: str, args: list[str], cwd: Path) -> subprocess.CompletedProcess:
+    """train.py with the converter's printed overrides pasted into a bash command line."""
+    return subprocess.run(["bash", "-c", f"{sys.executable} {TRAIN} {overrides} {' '.join(args)}"], cwd=cwd,
+                          capture_output=True, text=True, timeout=180)
+
+
+def one_error_line(result: subprocess.CompletedProcess, cwd: Path) -> str:
+    """The refusal's line: exit 1, one `error:` line and no traceback on stderr, no run dir left."""
+    assert result.returncode == 1, result.stderr[-3000:]
+    errors = [line for line in result.stderr.splitlines() if line.startswith("error: ")]
+    assert len(errors) == 1 and "Traceback" not in result.stderr, result.stderr[-3000:]
+    assert not run_dirs(cwd)
+    return errors[0]
+
+
+@pytest.fixture(scope="module")
+def trained(photos, tmp_path_factory) -> dict:  # noqa: F811
+    """The photos converted to 3 train shards (24, 24, 16 samples) and a val shard; 3 augmented updates
+    on the folder (train.run here) and on the shards (the printed overrides through bash, 2 loader
+    workers); then mode=eval of the shards' checkpoint at 1 process and 3 ranks. Once for all test processes."""
+    def produce(cwd: Path) -> dict:
+        conversion = convert(cwd / "shards", ["data=imagefolder", f"data.root={photos}"], 24, cwd)
+        check(conversion)
+        overrides = printed_overrides(conversion)
+        (cwd / "shards_run").mkdir()
+        check(run_through_bash(overrides, [*SMALL, "data.num_workers=2"], cwd / "shards_run"))
+        (shards_run,) = run_dirs(cwd / "shards_run")
+        with pytest.MonkeyPatch.context() as monkeypatch:
+            monkeypatch.chdir(cwd)
+            run_in_this_process(["data=imagefolder", f"data.root={photos}", *SMALL, "data.num_workers=0"], cwd / "folder_run")
+            webdataset = ["data=webdataset", f"data.train_shards='{cwd}/shards/train-{{000000..000002}}.tar'",
+                          f"data.val_shards={cwd}/shards/val-000000.tar", "data.image_size=16", "model.channels=[8,16]", "data.num_workers=0",
+                          f"resume={shards_run}"]
+            run_in_this_process(["mode=eval", "strategy=single", *webdataset], cwd / "eval_one")
+        (cwd / "eval_three").mkdir()
+        check(launch(["mode=eval", "strategy=ddp", *webdataset], cwd / "eval_three", nproc=3))
+        return {"conversion": conversion.stdout + conversion.stderr, "overrides": overrides,
+                "shards_run": str(shards_run), "eval_three": str(run_dirs(cwd / "eval_three")[0])}
+
+    cwd, runs = shared_run("webdataset_trained", produce, tmp_path_factory)
+    return {**runs, "cwd": cwd, "shards": cwd / "shards", "folder_run": cwd / "folder_run", "eval_one": cwd / "eval_one"}
+
+
+def test_the_converter_writes_every_sample_in_order_with_its_index_and_manifest(trained, photos):  # noqa: F811
+    shards = trained["shards"]
+    manifest = json.loads((shards / "dataset.json").read_text())
+    assert manifest["splits"]["train"] == {"shards": ["train-000000.tar", "train-000001.tar", "train-000002.tar"],
+                                           "samples": [24, 24, 16]}
+    assert manifest["splits"]["val"]["samples"] == [16] and manifest["class_names"] == ["china", "flower"]
+    assert not list(shards.glob("*.tmp")) and not (shards / "dataset.partial.json").exists()
+    with tarfile.open(shards / "train-000001.tar") as archive:  # sample 24 is the folder's 25th file, its bytes
+        assert archive.getnames()[:2] == ["000000024.cls", "000000024.jpg"]
+        # ImageFolder sorts file names as strings: its 25th china file is 30.jpg
+        assert archive.extractfile("000000024.jpg").read() == (photos / "train" / "china" / "30.jpg").read_bytes()
+    assert all((shards / f"{name}.idx.json").is_file() for name in manifest["splits"]["train"]["shards"])
+    assert "\"data.train_shards='" in trained["overrides"]  # quoted for Hydra, and for the shell around it
+
+
+def test_shards_of_an_imagefolder_train_to_its_bit_identical_weights_with_augmentation_on(trained):
+    """Sample i of the shards is the folder's sample i, its same bytes decoded and augmented (random
+    resized crop and flip) with the same per-sample seed: the same weights, bit for bit, and metrics."""
+    shards_run, folder_run = Path(trained["shards_run"]), trained["folder_run"]
+    assert results_of(shards_run)["steps"] == results_of(folder_run)["steps"] == 3
+    assert_same_weights(final_weights(shards_run), final_weights(folder_run))
+    assert results_of(shards_run)["val_loss"] == results_of(folder_run)["val_loss"]
+
+
+def test_mode_eval_on_shards_is_exact_at_1_and_3_ranks(trained):
+    one, three = (json.loads((Path(trained[name]) / "eval.json").read_text()) for name in ("eval_one", "eval_three"))
+    training = results_of(Path(trained["shards_run"]))
+    assert (one["world_size"], three["world_size"]) == (1, 3)
+    assert one["val_samples"] == three["val_samples"] == training["val_samples"] == 16
+    assert one["val_accuracy"] == three["val_accuracy"] == training["val_accuracy"]
+    assert three["val_loss"] == pytest.approx(training["val_loss"], rel=1e-6)
+
+
+def write_tar_shard(shard: Path, images: list[Path], labels: list[int], tmp: Path) -> None:
+    """A shard as `tar` writes it: `tar -cf shard -C folder .` of key.jpg and key.cls files (and `./`)."""
+    folder = tmp / f"{shard.stem}_files"
+    folder.mkdir()
+    for number, (image, label) in enumerate(zip(images, labels)):
+        shutil.copy(image, folder / f"sample{number:03d}.jpg")
+        (folder / f"sample{number:03d}.cls").write_text(f"{label}\n")
+    subprocess.run(["tar", "-cf", str(shard), "-C", str(folder), "."], check=True)
+
+
+def test_shards_written_by_tar_train_and_get_their_index_on_first_use(photos, tmp_path, monkeypatch):  # noqa: F811
+    images = sorted((photos / "train" / "china").glob("*.jpg"))[:8] + sorted((photos / "train" / "flower").glob("*.jpg"))[:8]
+    write_tar_shard(tmp_path / "train.tar", images, [0] * 8 + [1] * 8, tmp_path)
+    write_tar_shard(tmp_path / "val.tar", images[4:12], [0] * 4 + [1] * 4, tmp_path)
+    assert not list(tmp_path.glob("*.idx.json"))
+    monkeypatch.chdir(tmp_path)
+    results = run_in_this_process(["data=webdataset", f"data.train_shards={tmp_path}/train.tar",
+                                   f"data.val_shards={tmp_path}/val.tar", *SMALL, "data.num_workers=0",
+                                   "data.batch_size=8", "trainer.max_steps=-1"], tmp_path / "run")
+    assert (results["steps"], results["val_samples"]) == (2, 8)
+    index = json.loads((tmp_path / "train.tar.idx.json").read_text())
+    with tarfile.open(tmp_path / "train.tar") as archive:  # the samples in the tar's order: the directory's, unsorted
+        in_tar = list(dict.fromkeys(name.rpartition(".")[0] for name in archive.getnames() if name != "."))
+    assert [sample[0] for sample in index["samples"]] == in_tar
+    assert sorted(in_tar) == [f"./sample{n:03d}" for n in range(16)]
+
+
+def test_an_interrupted_conversion_is_refused_and_written_again(tmp_path):
+    """A source file that can't be read stops the converter after its first shards; training on them is
+    one line, and the converter's next run writes the whole dataset again."""
+    root = write_photo_imagefolder(tmp_path / "photos", {"train": 6, "val": 2})
+    unreadable = root / "train" / "flower" / "5.jpg"
+    unreadable.rename(tmp_path / "kept.jpg")
+    unreadable.symlink_to(tmp_path / "gone.jpg")  # listed by ImageFolder, gone when read
+    out = tmp_path / "shards"
+    stopped = convert(out, ["data=imagefolder", f"data.root={root}"], 4, tmp_path)
+    assert f"{unreadable}: can't be read" in one_error_line(stopped, tmp_path)
+    assert (out / "train-000000.tar").is_file() and not (out / "dataset.json").exists()
+
+    refused = launch(["data=webdataset", f"data.train_shards={out}/train-000000.tar",
+                      f"data.val_shards={out}/train-000000.tar", *SMALL, "data.num_workers=0"], tmp_path)
+    assert "interrupted conversion" in one_error_line(refused, tmp_path) and "python -m data.shards" in refused.stderr
+
+    unreadable.unlink()
+    (tmp_path / "kept.jpg").rename(unreadable)
+    again = convert(out, ["data=imagefolder", f"data.root={root}"], 4, tmp_path)
+    check(again)
+    assert "an interrupted conversion" in again.stderr
+    manifest = json.loads((out / "dataset.json").read_text())
+    assert manifest["splits"]["train"]["samples"] == [4, 4, 4] and not (out / "dataset.partial.json").exists()
+
+
+def test_a_tensor_dataset_converts_and_trains_as_it_did(tmp_path, monkeypatch):
+    """data=digits' tensors, stored losslessly (pth): the printed overrides (with data.augment=none)
+    train to the weights data=digits trains to."""
+    conversion = convert(tmp_path / "shards", ["data=digits"], 500, tmp_path)
+    check(conversion)
+    overrides = printed_overrides(conversion)
+    assert overrides.endswith("data.augment=none")
+    args = ["model.channels=[8,16]", "checkpoint.keep_best=0", "trainer.max_steps=3", "data.num_workers=0"]
+    (tmp_path / "shards_run").mkdir()
+    check(run_through_bash(overrides, args, tmp_path / "shards_run"))
+    monkeypatch.chdir(tmp_path)
+    run_in_this_process(["data=digits", *args], tmp_path / "digits_run")
+    assert_same_weights(final_weights(run_dirs(tmp_path / "shards_run")[0]), final_weights(tmp_path / "digits_run"))
+
+
+# --- bad input: one line naming the shard and the fix, before anything starts --------------------------
+
+def _not_a_tar(tmp: Path) -> list[str]:
+    (tmp / "train-000000.tar").write_text("not a tar\n")
+    return [f"data.train_shards={tmp}/train-000000.tar"]
+
+
+def _shard_of_one_member(name: str, content: bytes):
+    def shard(tmp: Path) -> list[str]:
+        (tmp / name).write_bytes(content)
+        subprocess.run(["tar", "-cf", str(tmp / "shard.tar"), "-C", str(tmp), name], check=True)
+        return [f"data.train_shards={tmp}/shard.tar"]
+    return shard
+
+
+def _stale_index(tmp: Path, converted: Path) -> list[str]:
+    shutil.copy(converted / "train-000000.tar", tmp / "train.tar")
+    shutil.copy(converted / "train-000000.tar.idx.json", tmp / "train.tar.idx.json")  # recorded another mtime
+    return [f"data.train_shards={tmp}/train.tar"]
+
+
+BAD = {
+    "pattern_matching_nothing": (lambda tmp, _: [f"data.train_shards='{tmp}/train-{{000000..000003}}.tar'"],
+                                 "matches no file"),
+    "not_a_tar": (lambda tmp, _: _not_a_tar(tmp), "not a readable tar file"),
+    "sample_without_a_label": (lambda tmp, _: _shard_of_one_member("00.jpg", b"\xff\xd8")(tmp), "sample 00 has no label"),
+    "sample_without_an_image": (lambda tmp, _: _shard_of_one_member("00.cls", b"0")(tmp), "sample 00 has no image"),
+    "label_outside_num_classes": (lambda tmp, converted: [f"data.train_shards={converted}/train-000002.tar",
+                                                          "data.num_classes=1"], "label 1 is outside [0, 1)"),
+    "index_disagreeing_with_its_shard": (_stale_index, "delete the index to rebuild it"),
+}
+
+
+@pytest.mark.parametrize("case", BAD)
+def test_bad_shards_are_one_line_naming_the_shard_and_the_fix(case, trained, tmp_path):
+    make, expected = BAD[case]
+    overrides = make(tmp_path, trained["shards"])
+    result = launch(["data=webdataset", f"data.val_shards={trained['shards']}/val-000000.tar", *SMALL, "data.num_workers=0",
+                     *overrides], tmp_path)
+    line = one_error_line(result, tmp_path)
+    assert expected in line, line
