@@ -299,7 +299,8 @@ def test_a_missing_extra_is_one_line_naming_the_install_command(tmp_path):
                             capture_output=True, text=True, timeout=120)
     assert result.returncode == 1, result.stdout + result.stderr
     lines = [line for line in (result.stdout + result.stderr).splitlines() if "mlflow" in line]
-    assert lines == ["error: logger=mlflow: mlflow is not installed; install it with: pip install -e '.[mlflow]'"], lines
+    assert lines == ["error: logger=mlflow: mlflow is not installed; install it with: make install EXTRAS=mlflow "
+                     "(or, in an environment of your own: pip install -e '.[mlflow]')"], lines
     assert not (tmp_path / "outputs" / "mlflow.db").exists()
 
 

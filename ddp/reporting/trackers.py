@@ -34,7 +34,8 @@ from ddp.reporting.rank_zero import one_line, write_json
 log = logging.getLogger("train")
 
 TRACKERS = ("mlflow", "wandb")  # logger options besides tensorboard
-INSTALL = {name: f"pip install -e '.[{name}]'" for name in TRACKERS}
+# make train installs neither tracker; make install adds one to .venv, pip to an environment of the user's own
+INSTALL = {name: f"make install EXTRAS={name} (or, in an environment of your own: pip install -e '.[{name}]')" for name in TRACKERS}
 STATE_FILE = "trackers.json"  # in the run dir: each tracker's run id
 JOURNAL_FILE = "tracker_points.jsonl"  # in the run dir: every point sent to the trackers (PointJournal)
 LOCAL_MLFLOW_STORE = Path("outputs") / "mlflow.db"  # beside the run dirs; `make mlflow-ui` serves it
