@@ -100,6 +100,18 @@ def test_a_torchrun_run_restarted_and_resumed_is_one_mlflow_run_with_tensorboard
     assert "exitcode: -9" in runs["restarted_stderr"]  # rank 1 was killed, and torchrun restarted both
 
 
+def test_the_training_does_not_wait_for_the_trackers_to_start(runs):
+    """The trackers start on a thread of their own: the first attempt had logged its first step to TensorBoard
+    before MLflow's import and store (seconds, which the loop used to wait for) let it create the MLflow run."""
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    (run,) = mlflow_runs_of(runs["cwd"] / "outputs" / "mlflow.db", runs["run_dir"])
+    events = EventAccumulator(str(runs["run_dir"]), size_guidance={"scalars": 0})
+    events.Reload()
+    (first_step,) = [event for event in events.Scalars("train/loss") if event.step == 1]
+    assert first_step.wall_time * 1000 < run.info.start_time, (first_step.wall_time, run.info.start_time / 1000)
+
+
 def test_the_mlflow_run_holds_the_config_and_hparams(runs):
     (run,) = mlflow_runs_of(runs["cwd"] / "outputs" / "mlflow.db", runs["run_dir"])
     params = run.data.params
