@@ -233,7 +233,7 @@ class TrackerThread:
 
     def __init__(self, open_them: Callable[[], list]):
         self.calls: queue.SimpleQueue = queue.SimpleQueue()
-        # a daemon: a process that exits without closing the writer (os._exit, a fatal signal) doesn't wait for it
+        # a daemon: should the writer never be closed, the process still exits instead of waiting on the queue
         self.thread = threading.Thread(target=self._run, args=(open_them,), name="trackers", daemon=True)
         self.thread.start()
 
