@@ -3,7 +3,11 @@ PYTHON ?= python3
 VENV := .venv
 PY := $(VENV)/bin/python
 TORCHRUN := $(VENV)/bin/torchrun
-STAMP := $(VENV)/.installed-stamp
+# Each target installs what it uses: `make train` the runtime dependencies alone, `make test` the test extras
+# (pytest, selenium and both trackers), `make install EXTRAS=mlflow` a tracker's. One stamp per set of extras.
+EXTRAS ?=
+TRACKER_EXTRAS := mlflow,wandb
+installed = $(VENV)/.installed-$(or $(1),runtime)
 # A few steps on synthetic data, for the smoke runs.
 SMOKE := data=synthetic data.num_samples=256 data.num_val_samples=64 data.batch_size=16 trainer.max_epochs=1 trainer.limit_train_batches=5 trainer.log_every_n_steps=1
 # The same for segmentation: small shapes images, 2 images per rank (where SyncBN matters).
@@ -18,20 +22,21 @@ export TORCH_DISABLE_SHARE_RDZV_TCP_STORE := 1
 help: ## List the targets
 	@grep -E '^[a-z-]+:.*## ' $(MAKEFILE_LIST) | awk -F':.*## ' '{printf "  make %-12s %s\n", $$1, $$2}'
 
-install: $(STAMP) ## Create or update .venv with the pinned dependencies
+install: $(call installed,$(EXTRAS)) ## Create or update .venv with the pinned runtime dependencies (EXTRAS=mlflow, wandb or mlflow,wandb: a tracker's too)
 
-$(STAMP): pyproject.toml
+# any extras bring the runtime dependencies, and the test extras both trackers' (pyproject.toml): their stamps too
+$(VENV)/.installed-%: pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
-	$(PY) -m pip install --quiet -e '.[test]'
-	touch $@
+	$(PY) -m pip install --quiet -e '.$(if $(filter-out runtime,$*),[$*])'
+	touch $@ $(call installed) $(if $(filter test,$*),$(call installed,mlflow) $(call installed,wandb) $(call installed,$(TRACKER_EXTRAS)))
 
-train: install ## Train the default run (small_cnn on digits, one device); prints the run dir and metrics
+train: $(call installed) ## Train the default run (small_cnn on digits, one device); prints the run dir and metrics
 	$(PY) train.py
 
-test: install ## Run the whole test suite (CPU, gloo, real torchrun processes), two test processes at a time
+test: $(call installed,test) ## Run the whole test suite (CPU, gloo, real torchrun processes), two test processes at a time
 	$(PY) -m pytest -q -n 2
 
-smoke-test: install ## Seven short CPU runs: single, dp, torchrun ddp with SyncBN, the bf16/accumulation/cosine/EMA/MixUp recipe, and segmentation, distillation and SimCLR on 2 ranks with SyncBN
+smoke-test: $(call installed) ## Seven short CPU runs: single, dp, torchrun ddp with SyncBN, the bf16/accumulation/cosine/EMA/MixUp recipe, and segmentation, distillation and SimCLR on 2 ranks with SyncBN
 	$(PY) train.py strategy=single $(SMOKE)
 	$(PY) train.py strategy=dp $(SMOKE)
 	$(TORCHRUN) --nproc_per_node=2 train.py strategy=ddp syncbn=true $(SMOKE)
@@ -43,22 +48,22 @@ smoke-test: install ## Seven short CPU runs: single, dp, torchrun ddp with SyncB
 gpu-check: ## The CUDA paths in one short run on one GPU; without one it says so (any Python with torch: PY=python3)
 	$(PY) tests/gpu/gpu_check.py
 
-sweep: install ## A batch-size sweep on CPU: 3 jobs of self-launched DDP on 2 processes; prints the summary
+sweep: $(call installed) ## A batch-size sweep on CPU: 3 jobs of self-launched DDP on 2 processes; prints the summary
 	$(PY) train.py -m strategy=ddp strategy.nproc_per_node=2 trainer.max_epochs=3 data.batch_size=16,32,64
 
-bench: install ## train.py against a plain hand-written DDP loop, side by side: table, ratios and plot in benchmarks/results/ (BENCH_QUICK=1: a tiny version)
+bench: $(call installed,$(TRACKER_EXTRAS)) ## train.py against a plain hand-written DDP loop, side by side: table, ratios and plot in benchmarks/results/ (BENCH_QUICK=1: a tiny version)
 	$(PY) benchmarks/bench.py
 
 # logger=mlflow's local store (docs/tracking.md)
 MLFLOW_STORE ?= outputs/mlflow.db
 MLFLOW_PORT ?= 5000
-mlflow-ui: install ## Serve the runs of logger=mlflow (outputs/mlflow.db) on http://127.0.0.1:5000
+mlflow-ui: $(call installed,mlflow) ## Serve the runs of logger=mlflow (outputs/mlflow.db) on http://127.0.0.1:5000
 	$(VENV)/bin/mlflow ui --backend-store-uri sqlite:///$(abspath $(MLFLOW_STORE)) --host 127.0.0.1 --port $(MLFLOW_PORT)
 
-export: install ## A sharded (strategy=fsdp) checkpoint as one plain state_dict: make export CKPT=<run dir>/checkpoints/step-N writes <dir>/model.pt
+export: $(call installed) ## A sharded (strategy=fsdp) checkpoint as one plain state_dict: make export CKPT=<run dir>/checkpoints/step-N writes <dir>/model.pt
 	$(PY) -m ddp.checkpoints.export $(CKPT)
 
-tensorboard: install ## Serve outputs/ on http://127.0.0.1:6006
+tensorboard: $(call installed) ## Serve outputs/ on http://127.0.0.1:6006
 	$(VENV)/bin/tensorboard --logdir outputs --host 127.0.0.1 --port 6006
 
 slurm-up: ## Start a one-node SLURM on this machine, to try the cluster path (root; scripts/slurm/local-cluster.sh install first)

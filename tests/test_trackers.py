@@ -101,6 +101,18 @@ def test_a_torchrun_run_restarted_and_resumed_is_one_mlflow_run_with_tensorboard
     assert "exitcode: -9" in runs["restarted_stderr"]  # rank 1 was killed, and torchrun restarted both
 
 
+def test_the_training_does_not_wait_for_the_trackers_to_start(runs):
+    """The trackers start on a thread of their own: the first attempt had logged its first step to TensorBoard
+    before MLflow's import and store (seconds, which the loop used to wait for) let it create the MLflow run."""
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    (run,) = mlflow_runs_of(runs["cwd"] / "outputs" / "mlflow.db", runs["run_dir"])
+    events = EventAccumulator(str(runs["run_dir"]), size_guidance={"scalars": 0})
+    events.Reload()
+    (first_step,) = [event for event in events.Scalars("train/loss") if event.step == 1]
+    assert first_step.wall_time * 1000 < run.info.start_time, (first_step.wall_time, run.info.start_time / 1000)
+
+
 def test_the_mlflow_run_holds_the_config_and_hparams(runs):
     (run,) = mlflow_runs_of(runs["cwd"] / "outputs" / "mlflow.db", runs["run_dir"])
     params = run.data.params
@@ -324,7 +336,8 @@ def test_a_missing_extra_is_one_line_naming_the_install_command(tmp_path):
                             capture_output=True, text=True, timeout=120)
     assert result.returncode == 1, result.stdout + result.stderr
     lines = [line for line in (result.stdout + result.stderr).splitlines() if "mlflow" in line]
-    assert lines == ["error: logger=mlflow: mlflow is not installed; install it with: pip install -e '.[mlflow]'"], lines
+    assert lines == ["error: logger=mlflow: mlflow is not installed; install it with: make install EXTRAS=mlflow "
+                     "(or, in an environment of your own: pip install -e '.[mlflow]')"], lines
     assert not (tmp_path / "outputs" / "mlflow.db").exists()
 
 

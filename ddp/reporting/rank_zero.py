@@ -26,6 +26,17 @@ def one_line(error: BaseException, limit: int = 300) -> str:
     return ("; ".join(line.strip() for line in str(error).strip().splitlines()) or type(error).__name__)[:limit]
 
 
+def call_each(trackers: list, call: str, *args) -> None:
+    """`tracker.<call>(*args)` for each tracker; one that fails is named in one line and removed from `trackers`."""
+    for tracker in list(trackers):
+        try:
+            getattr(tracker, call)(*args)
+        except Exception as error:  # the tracker's own failure (a server gone): never the run's
+            trackers.remove(tracker)
+            log.warning("logger=%s failed (%s): it logs nothing more; the run and its files go on", tracker.name,
+                        one_line(error))
+
+
 class RankZeroWriter:
     """On rank 0, a TensorBoard SummaryWriter (unless `tensorboard` is off) and the `trackers` the logger
     group picked, each call fanned out to all of them; a no-op elsewhere, so other ranks write no event
@@ -54,13 +65,7 @@ class RankZeroWriter:
         return self.writer is not None or bool(self.trackers)
 
     def _to_trackers(self, call: str, *args) -> None:
-        for tracker in list(self.trackers):
-            try:
-                getattr(tracker, call)(*args)
-            except Exception as error:  # the tracker's own failure (a server gone): never the run's
-                self.trackers.remove(tracker)
-                log.warning("logger=%s failed (%s): it logs nothing more; the run and its files go on", tracker.name,
-                            one_line(error))
+        call_each(self.trackers, call, *args)
 
     def add_scalar(self, tag: str, value: float, step: int) -> None:
         if self.writer is not None:

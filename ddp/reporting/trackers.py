@@ -10,6 +10,9 @@ yet, read from it once at start. A sweep's jobs are one group, named after the s
 Values are buffered and sent at `commit` (RunMonitor commits after each log step's, epoch's and
 validation's values). A tracker's own failure mid-run is logged in one line and that tracker stops;
 the run and its own files (checkpoints, results.json, TensorBoard) go on.
+
+The trackers start, send and end on a thread of their own (TrackerThread): MLflow's import and store take
+seconds, which the training no longer waits for.
 """
 
 import contextlib
@@ -18,10 +21,13 @@ import importlib.util
 import json
 import logging
 import os
+import queue
 import struct
+import threading
 import time
 import urllib.error
 import urllib.request
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -29,12 +35,13 @@ from typing import Any
 from omegaconf import DictConfig, OmegaConf
 
 from ddp.config.schema import ConfigError
-from ddp.reporting.rank_zero import one_line, write_json
+from ddp.reporting.rank_zero import call_each, one_line, write_json
 
 log = logging.getLogger("train")
 
 TRACKERS = ("mlflow", "wandb")  # logger options besides tensorboard
-INSTALL = {name: f"pip install -e '.[{name}]'" for name in TRACKERS}
+# make train installs neither tracker; make install adds one to .venv, pip to an environment of the user's own
+INSTALL = {name: f"make install EXTRAS={name} (or, in an environment of your own: pip install -e '.[{name}]')" for name in TRACKERS}
 STATE_FILE = "trackers.json"  # in the run dir: each tracker's run id
 JOURNAL_FILE = "tracker_points.jsonl"  # in the run dir: every point sent to the trackers (PointJournal)
 LOCAL_MLFLOW_STORE = Path("outputs") / "mlflow.db"  # beside the run dirs; `make mlflow-ui` serves it
@@ -233,6 +240,47 @@ def open_trackers(logger_cfg: DictConfig, run: TrackedRun, earlier_points: list[
             except Exception as error:
                 log.warning("logger=%s failed to start (%s): the run goes on without it", name, one_line(error))
     return trackers
+
+
+class TrackerThread:
+    """The trackers on a thread of their own, to RankZeroWriter one tracker: each call is queued and returns at
+    once, and the thread opens the trackers (`open_them`, e.g. open_trackers), then makes the calls in their
+    order. So their start (MLflow's import and SQLite store: seconds), each send and a slow server overlap the
+    training instead of holding it up. `close` waits until everything queued is sent and the runs are ended.
+    The main thread journals each commit before queueing it (RankZeroWriter.commit): a process killed with
+    calls still queued loses nothing that a continued run doesn't send again."""
+
+    name = "trackers"
+
+    def __init__(self, open_them: Callable[[], list]):
+        self.calls: queue.SimpleQueue = queue.SimpleQueue()
+        # a daemon: should the writer never be closed, the process still exits instead of waiting on the queue
+        self.thread = threading.Thread(target=self._run, args=(open_them,), name="trackers", daemon=True)
+        self.thread.start()
+
+    def _run(self, open_them: Callable[[], list]) -> None:
+        trackers = open_them()
+        while True:
+            call, args = self.calls.get()
+            call_each(trackers, call, *args)
+            if call == "close":
+                return
+
+    def add_scalar(self, tag: str, value: float, step: int) -> None:
+        self.calls.put(("add_scalar", (tag, float(value), step)))
+
+    def commit(self) -> None:
+        self.calls.put(("commit", ()))
+
+    def add_image(self, tag: str, image, step: int) -> None:
+        self.calls.put(("add_image", (tag, image.detach().to("cpu", copy=True), step)))  # a copy: the caller may reuse it
+
+    def add_params(self, params: dict[str, Any]) -> None:
+        self.calls.put(("add_params", (dict(params),)))
+
+    def close(self, failed: bool) -> None:
+        self.calls.put(("close", (failed,)))
+        self.thread.join()
 
 
 class Tracker:
