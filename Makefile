@@ -7,6 +7,8 @@ TORCHRUN := $(VENV)/bin/torchrun
 # (pytest, selenium and both trackers), `make install EXTRAS=mlflow` a tracker's. One stamp per set of extras.
 EXTRAS ?=
 TRACKER_EXTRAS := mlflow,wandb
+# make bench times both trackers, and Lightning (the bench extra)
+BENCH_EXTRAS := $(TRACKER_EXTRAS),bench
 installed = $(VENV)/.installed-$(or $(1),runtime)
 # A few steps on synthetic data, for the smoke runs.
 SMOKE := data=synthetic data.num_samples=256 data.num_val_samples=64 data.batch_size=16 trainer.max_epochs=1 trainer.limit_train_batches=5 trainer.log_every_n_steps=1
@@ -24,11 +26,11 @@ help: ## List the targets
 
 install: $(call installed,$(EXTRAS)) ## Create or update .venv with the pinned runtime dependencies (EXTRAS=mlflow, wandb or mlflow,wandb: a tracker's too)
 
-# any extras bring the runtime dependencies, and the test extras both trackers' (pyproject.toml): their stamps too
+# any extras bring the runtime dependencies, and the test extras both trackers' and the bench's (pyproject.toml): their stamps too
 $(VENV)/.installed-%: pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install --quiet -e '.$(if $(filter-out runtime,$*),[$*])'
-	touch $@ $(call installed) $(if $(filter test,$*),$(call installed,mlflow) $(call installed,wandb) $(call installed,$(TRACKER_EXTRAS)))
+	touch $@ $(call installed) $(if $(filter test,$*),$(call installed,mlflow) $(call installed,wandb) $(call installed,$(TRACKER_EXTRAS)) $(call installed,$(BENCH_EXTRAS)))
 
 train: $(call installed) ## Train the default run (small_cnn on digits, one device); prints the run dir and metrics
 	$(PY) train.py
@@ -51,7 +53,7 @@ gpu-check: ## The CUDA paths in one short run on one GPU; without one it says so
 sweep: $(call installed) ## A batch-size sweep on CPU: 3 jobs of self-launched DDP on 2 processes; prints the summary
 	$(PY) train.py -m strategy=ddp strategy.nproc_per_node=2 trainer.max_epochs=3 data.batch_size=16,32,64
 
-bench: $(call installed,$(TRACKER_EXTRAS)) ## train.py against a plain hand-written DDP loop, side by side: table, ratios and plot in benchmarks/results/ (BENCH_QUICK=1: a tiny version)
+bench: $(call installed,$(BENCH_EXTRAS)) ## train.py against a plain hand-written DDP loop and Lightning, side by side: table, ratios and plot in benchmarks/results/ (BENCH_QUICK=1: a tiny version)
 	$(PY) benchmarks/bench.py
 
 # logger=mlflow's local store (docs/tracking.md)

@@ -58,4 +58,4 @@ def test_a_trackers_extra_comes_with_make_install_extras_or_the_target_that_need
     assert make(venv, "mlflow-ui")[0] == "python -m pip install --quiet -e .[mlflow]"
     assert make(venv, "install", "EXTRAS=mlflow") == []
     assert make(venv, "train") == ["python train.py"]  # the runtime dependencies came with the extras
-    assert make(venv, "bench") == ["python -m pip install --quiet -e .[mlflow,wandb]", "python benchmarks/bench.py"]
+    assert make(venv, "bench") == ["python -m pip install --quiet -e .[mlflow,wandb,bench]", "python benchmarks/bench.py"]

@@ -217,3 +217,35 @@ def test_bad_shards_are_one_line_naming_the_shard_and_the_fix(case, trained, tmp
                      *overrides], tmp_path)
     line = one_error_line(result, tmp_path)
     assert expected in line, line
+
+
+def test_with_a_shuffle_window_2_ranks_train_as_1_process_and_read_within_the_window(trained, tmp_path, monkeypatch):
+    """data.shuffle_window=2 on the 3 train shards (24, 24, 16 samples), augmentation on: 2 ranks x 8 with
+    SyncBN end within float noise of 1 process x 16, and at every update the samples both ranks read
+    (fault.record_samples_dir) come from two consecutive groups of 2 shards of the epoch's order."""
+    from ddp.loading.samplers import epoch_order
+
+    shards = trained["shards"]
+    args = ["data=webdataset", f"data.train_shards='{shards}/train-{{000000..000002}}.tar'",
+            f"data.val_shards={shards}/val-000000.tar", "data.shuffle_window=2", "data.image_size=16",
+            "model.channels=[8,16]", "checkpoint.keep_best=0", "trainer.max_epochs=1", "syncbn=true"]
+    check(launch(["strategy=ddp", *args, "data.batch_size=8", "data.num_workers=2", "fault.record_samples_dir=samples"],
+                 tmp_path, nproc=2))
+    (ranks,) = run_dirs(tmp_path)
+    monkeypatch.chdir(tmp_path)
+    run_in_this_process(["strategy=single", *args, "data.batch_size=16", "data.num_workers=0"], tmp_path / "one")
+    ranks_weights, one_weights = final_weights(ranks), final_weights(tmp_path / "one")
+    worst = max((ranks_weights[key].double() - one_weights[key].double()).abs().max().item() for key in one_weights
+                if one_weights[key].is_floating_point())
+    assert worst < 1e-5, worst
+
+    sizes, seen, group_of = [24, 24, 16], [], {}
+    for index in epoch_order(64, seed=0, epoch=0, shard_sizes=sizes, window=2):
+        shard = 0 if index < 24 else 1 if index < 48 else 2
+        seen += [shard] if shard not in seen else []
+        group_of[index] = (len(seen) - 1) // 2
+    steps: dict[int, set[int]] = {}
+    for path in (tmp_path / "samples").glob("rank*.jsonl"):
+        for record in map(json.loads, path.read_text().splitlines()):
+            steps.setdefault(record["step"], set()).update(group_of[i] for i in record["ids"])
+    assert sorted(steps) == list(range(1, 5)) and all(max(groups) - min(groups) <= 1 for groups in steps.values()), steps
