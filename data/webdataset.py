@@ -26,6 +26,7 @@ import torch
 from data import DataSplits
 from data.encoded import EncodedImages
 from data.presets import imagefolder_transforms
+from data.shard_cache import ShardCache, is_remote
 from data.views import check_views
 from data.vision import ON_BAD_SAMPLE, BadSample
 from ddp.config.schema import ConfigError
@@ -42,30 +43,30 @@ MANIFEST = "dataset.json"  # python -m data.shards writes it last: class names, 
 PARTIAL_MANIFEST = "dataset.partial.json"  # present while a conversion runs, and after one was interrupted
 
 
-def local_shard(url: str) -> Path:
-    """The local file a shard's name stands for: the one place a shard is opened from, so that other
-    sources (an http(s) URL through a local cache) are one more case here."""
-    if "://" in url:
-        raise ConfigError(f"{url}: only local shard paths are read; copy the shards to a local or mounted disk")
-    return Path(url)
+def local_shard(location: str, cache: ShardCache | None) -> Path:
+    """The local file of a shard: its path, or an http(s) URL's copy in the node's cache (data/shard_cache.py),
+    downloaded first where this node has none. The one place a shard is opened from."""
+    return cache.fetch(location) if is_remote(location) else Path(location)
 
 
-def expand_shards(pattern: str, key: str) -> list[Path]:
-    """The shards a brace pattern (`/data/train-{000000..000127}.tar`) or a path names, each an existing file."""
+def expand_shards(pattern: str, key: str) -> list[str]:
+    """The shards a brace pattern (`/data/train-{000000..000127}.tar`) or a path names: each an existing
+    file, or an http(s) URL (which the cache fetches when it is first read)."""
     from braceexpand import braceexpand
 
-    try:
-        shards = [local_shard(name) for name in braceexpand(pattern)]
-    except ConfigError as error:
-        raise ConfigError(f"{key}={pattern}: {error}") from None
+    names = list(braceexpand(pattern))
+    if other := [name for name in names if "://" in name and not is_remote(name)]:
+        raise ConfigError(f"{key}={pattern}: {other[0]}: only local paths and http(s) URLs are read; copy the shards "
+                          "to a local or mounted disk, or serve them over HTTP")
+    shards = [Path(name) for name in names if not is_remote(name)]
     missing = [shard for shard in shards if not shard.is_file()]
-    if len(missing) == len(shards):
+    if missing and len(missing) == len(names):
         raise ConfigError(f"{key}={pattern}: matches no file; give a shard path or a brace pattern "
                           "such as /data/train-{000000..000127}.tar")
     if missing:
         raise ConfigError(f"{key}={pattern}: {missing[0]} does not exist ({len(missing)} of the {len(shards)} "
                           "shards the pattern names are missing); fix the pattern or copy the missing shards")
-    return shards
+    return names
 
 
 def split_member_name(name: str) -> tuple[str, str]:
@@ -159,8 +160,8 @@ class ShardReader:
     EncodedImages (data/encoded.py). Shard files are opened lazily by each process (DataLoader workers
     included) and read with os.pread, so no descriptor or file offset is shared across processes."""
 
-    def __init__(self, shards: list[Path], indexes: list[dict]):
-        self.shards = shards
+    def __init__(self, shards: list[str], indexes: list[dict], cache: ShardCache | None = None):
+        self.shards, self.cache = shards, cache
         self.samples = [(shard_number, *sample) for shard_number, index in enumerate(indexes) for sample in index["samples"]]
         self.shard_sizes = [len(index["samples"]) for index in indexes]
         self._files: dict[int, int] = {}
@@ -194,7 +195,7 @@ class ShardReader:
         if self._pid != os.getpid():  # a forked child: its parent's descriptors are the parent's
             self._files, self._pid = {}, os.getpid()
         if shard_number not in self._files:
-            self._files[shard_number] = os.open(self.shards[shard_number], os.O_RDONLY)
+            self._files[shard_number] = os.open(local_shard(self.shards[shard_number], self.cache), os.O_RDONLY)
         return self._files[shard_number]
 
 
@@ -206,10 +207,12 @@ def load_tensor(data: bytes) -> torch.Tensor:
         raise ValueError(f"not a saved tensor ({type(error).__name__})") from None
 
 
-def read_manifest(shards: list[Path], key: str) -> dict | None:
-    """The converter's dataset.json beside the shards, or None for shards written by other tools. Shards
-    of an interrupted conversion are refused."""
-    folder = shards[0].parent
+def read_manifest(shards: list[str], key: str) -> dict | None:
+    """The converter's dataset.json beside the shards, or None for shards written by other tools or
+    served over HTTP. Shards of an interrupted conversion are refused."""
+    if is_remote(shards[0]):
+        return None
+    folder = Path(shards[0]).parent
     if (folder / PARTIAL_MANIFEST).exists():
         raise ConfigError(f"{key}: {folder} holds an interrupted conversion ({PARTIAL_MANIFEST}, no {MANIFEST}); "
                           f"run python -m data.shards {folder} ... again to finish it")
@@ -222,11 +225,11 @@ def read_manifest(shards: list[Path], key: str) -> dict | None:
         raise ConfigError(f"{manifest_path}: not readable JSON ({error}); write the shards again with python -m data.shards") from None
 
 
-def check_against_manifest(manifest: dict, split: str, shards: list[Path], indexes: list[dict]) -> None:
+def check_against_manifest(manifest: dict, split: str, shards: list[str], indexes: list[dict]) -> None:
     """A shard the manifest lists must hold the samples it counted (a shard replaced since is refused)."""
     listed = manifest.get("splits", {}).get(split, {})
     counts = dict(zip(listed.get("shards", []), listed.get("samples", [])))
-    for shard, index in zip(shards, indexes):
+    for shard, index in zip(map(Path, shards), indexes):
         if shard.name in counts and counts[shard.name] != len(index["samples"]):
             raise ConfigError(f"{shard}: holds {len(index['samples'])} samples where {shard.parent / MANIFEST} counts "
                               f"{counts[shard.name]}; write the shards again with python -m data.shards")
@@ -234,23 +237,29 @@ def check_against_manifest(manifest: dict, split: str, shards: list[Path], index
 
 def build_webdataset(train_shards: str, val_shards: str, image_size: int, augment: str | bool, random_erase: float,
                      interpolation: str, on_bad_sample: str = "error", views: int = 1, num_classes: int | None = None,
-                     test_shards: str | None = None) -> DataSplits:
-    """The shards of each split (brace patterns or paths), decoded and transformed as data=imagefolder
-    does. num_classes: data.num_classes, else the converter's dataset.json, else the largest label + 1."""
+                     test_shards: str | None = None, cache_dir: str | None = None,
+                     cache_limit_gb: float | None = None) -> DataSplits:
+    """The shards of each split (brace patterns, paths or http(s) URLs), decoded and transformed as
+    data=imagefolder does. num_classes: data.num_classes, else the converter's dataset.json, else the
+    largest label + 1. Remote shards are read through a cache in cache_dir, within cache_limit_gb."""
     check_views(views)
     if on_bad_sample not in ON_BAD_SAMPLE:
         raise ConfigError(f"data.on_bad_sample={on_bad_sample}: must be one of {' | '.join(ON_BAD_SAMPLE)}")
     patterns = {"train": train_shards, "val": val_shards, "test": test_shards}
     shards = {split: expand_shards(pattern, f"data.{split}_shards") for split, pattern in patterns.items() if pattern}
+    cache = ShardCache(cache_dir, cache_limit_gb) if cache_dir else None
+    if cache is None and any(is_remote(name) for names in shards.values() for name in names):
+        raise ConfigError("data.cache_dir=null: http(s) shards are read from a local copy; set data.cache_dir to a "
+                          "folder on a local disk that the ranks of a node share, e.g. data.cache_dir=/tmp/shards")
     manifest = read_manifest(shards["train"], "data.train_shards")
     readers = {}
     for split, paths in shards.items():
         if split != "train":
             read_manifest(paths, f"data.{split}_shards")  # an interrupted conversion there too
-        indexes = [load_index(path) for path in paths]
+        indexes = [load_index(local_shard(path, cache)) for path in paths]
         if manifest is not None:
             check_against_manifest(manifest, split, paths, indexes)
-        readers[split] = ShardReader(paths, indexes)
+        readers[split] = ShardReader(paths, indexes, cache)
     num_classes, class_names = _classes(readers, manifest, num_classes)
     tensors = readers["train"].extension(0) == TENSOR_EXTENSION if len(readers["train"]) else False
     if tensors:

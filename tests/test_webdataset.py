@@ -249,3 +249,28 @@ def test_with_a_shuffle_window_2_ranks_train_as_1_process_and_read_within_the_wi
         for record in map(json.loads, path.read_text().splitlines()):
             steps.setdefault(record["step"], set()).update(group_of[i] for i in record["ids"])
     assert sorted(steps) == list(range(1, 5)) and all(max(groups) - min(groups) <= 1 for groups in steps.values()), steps
+
+
+def test_shards_served_over_http_train_as_the_local_ones_and_a_gone_server_is_one_line(trained, tmp_path):
+    """The converted shards served by http.server on 127.0.0.1, read through a node cache of 2.5 shards'
+    size (so the 4 shards read don't all fit): the same weights, bit for bit, as the local shards; then, with the
+    server gone and a cold cache, one line naming the URL, exit 1, no run dir left."""
+    from test_shard_cache import Server
+
+    server = Server(trained["shards"])
+    shard_bytes = (trained["shards"] / "train-000000.tar").stat().st_size
+    http = ["data=webdataset", f"data.train_shards='{server.url}/train-{{000000..000002}}.tar'",
+            f"data.val_shards={server.url}/val-000000.tar", f"data.cache_limit_gb={2.5 * shard_bytes / 2**30}"]
+    try:
+        check(launch([*http, f"data.cache_dir={tmp_path / 'cache'}", *SMALL, "data.num_workers=2"], tmp_path))
+        cached = list((tmp_path / "cache").glob("*.tar"))  # of the 4 shards read (3 train, 1 val), one went
+        assert len(cached) < 4 and sum(path.stat().st_size for path in cached) <= 2.5 * shard_bytes
+    finally:
+        server.stop()
+    (run_dir,) = run_dirs(tmp_path)
+    assert_same_weights(final_weights(run_dir), final_weights(Path(trained["shards_run"])))
+
+    (tmp_path / "gone").mkdir()
+    result = launch([*http, f"data.cache_dir={tmp_path / 'cold'}", *SMALL], tmp_path / "gone")
+    line = one_error_line(result, tmp_path / "gone")
+    assert line.startswith(f"error: {server.url}/train-000000.tar: no shard after 3 tries") and "resume=auto" in line, line

@@ -1,0 +1,101 @@
+"""Remote shards (`http://`, `https://`) in a local cache: each shard is downloaded once per node into
+`data.cache_dir`, which the ranks and loader workers of a node share, and read from there.
+
+- Once: a process takes the shard's lock file (an exclusive flock) before downloading; the others wait
+  on it, then find the shard there.
+- Never half: a download goes to `<name>.part-<pid>` and is renamed into place (fsync, os.replace)
+  once complete, so a reader only ever opens whole shards; a killed download leaves a part file that
+  the next download of that shard replaces.
+- Bounded: with `data.cache_limit_gb`, the least recently used shards are removed before a download
+  would exceed it (a shard in use stays readable: an open file outlives its removal).
+- A server that doesn't answer: bounded retries with backoff, then one line naming the URL. The run
+  stops there with its checkpoints intact, and `resume=auto` continues once the server is back.
+"""
+
+import contextlib
+import fcntl
+import hashlib
+import os
+import shutil
+import time
+import urllib.error
+import urllib.request
+from pathlib import Path
+
+from data.vision import BadSample
+
+RETRIES = 3
+TIMEOUT_S = 30.0
+CHUNK_BYTES = 1 << 20
+
+
+def is_remote(location: str) -> bool:
+    return location.startswith(("http://", "https://"))
+
+
+class ShardUnavailable(BadSample):
+    """A remote shard that couldn't be fetched: one line naming its URL."""
+
+
+class ShardCache:
+    def __init__(self, cache_dir: str | Path, limit_gb: float | None = None, retries: int = RETRIES,
+                 timeout_s: float = TIMEOUT_S):
+        self.directory, self.retries, self.timeout_s = Path(cache_dir), retries, timeout_s
+        self.limit_bytes = None if limit_gb is None else int(limit_gb * 2**30)
+
+    def path(self, url: str) -> Path:
+        """Where `url` is cached: its file name, prefixed with a digest of the whole URL (two servers' train-0.tar differ)."""
+        return self.directory / f"{hashlib.sha1(url.encode()).hexdigest()[:12]}-{Path(url.split('?')[0]).name}"
+
+    def fetch(self, url: str) -> Path:
+        """The local path of `url`'s whole file, downloading it first if no process of this node has."""
+        target = self.path(url)
+        if target.exists():
+            os.utime(target)  # its use, for the least-recently-used eviction
+            return target
+        self.directory.mkdir(parents=True, exist_ok=True)
+        with open(target.with_name(target.name + ".lock"), "w") as lock:
+            fcntl.flock(lock, fcntl.LOCK_EX)  # another process of this node may be downloading it
+            if not target.exists():
+                self._download(url, target)
+        return target
+
+    def _download(self, url: str, target: Path) -> None:
+        part = target.with_name(f"{target.name}.part-{os.getpid()}")
+        reason = ""
+        for attempt in range(self.retries):
+            if attempt:
+                time.sleep(min(2.0**attempt, 10.0))  # backoff: a server restarting gets a few seconds
+            try:
+                with urllib.request.urlopen(url, timeout=self.timeout_s) as response, open(part, "wb") as out:
+                    length = response.headers.get("Content-Length")
+                    self._make_room(int(length or 0), keep=target)
+                    shutil.copyfileobj(response, out, CHUNK_BYTES)
+                    # a connection closed early ends a chunked read without an error: count the bytes
+                    if length is not None and out.tell() != int(length):
+                        raise ConnectionError(f"the connection closed after {out.tell()} of {length} bytes")
+                    out.flush()
+                    os.fsync(out.fileno())
+                os.replace(part, target)
+                return
+            except (urllib.error.URLError, TimeoutError, ConnectionError, OSError) as error:
+                reason = " ".join(str(getattr(error, "reason", error)).split())
+                with contextlib.suppress(FileNotFoundError):
+                    part.unlink()
+        raise ShardUnavailable(f"{url}: no shard after {self.retries} tries ({reason}); check that the server serves it, "
+                               "then continue the run with resume=auto")
+
+    def _make_room(self, incoming: int, keep: Path) -> None:
+        """Remove the least recently used shards (with the files kept beside them, an index) until
+        `incoming` more bytes fit within the limit."""
+        if self.limit_bytes is None:
+            return
+        shards = [path for path in self.directory.iterdir() if path != keep and path.suffix == keep.suffix]
+        used = sum(path.stat().st_size for path in shards)
+        for path in sorted(shards, key=lambda path: path.stat().st_mtime):
+            if used + incoming <= self.limit_bytes:
+                break
+            used -= path.stat().st_size
+            for stale in [path, *(sibling for sibling in self.directory.glob(f"{path.name}.*") if not sibling.name.endswith(".lock"))]:
+                with contextlib.suppress(FileNotFoundError):
+                    stale.unlink()
