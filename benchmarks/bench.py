@@ -260,7 +260,9 @@ def main() -> None:
         photos = data_path.write_photos(Path(scratch) / "photos", data_settings.images)
         seeding = data_path.loader_seeding(photos, data_settings)
         resumes = data_path.resume_cost(photos, data_settings, Path(scratch) / "resumes")
-    table = report(chosen, settings, quick, *data_path.report(seeding, resumes, data_settings))
+        print("bench: the input pipeline: files, tar shards (local, HTTP), Arrow", flush=True)
+        pipeline = data_path.input_pipeline(photos, data_settings, Path(scratch) / "pipeline")
+    table = report(chosen, settings, quick, *data_path.report(seeding, resumes, pipeline, data_settings))
     args.out.mkdir(parents=True, exist_ok=True)
     stem = args.out / f"{socket.gethostname()}-{date.today()}{'-quick' if quick else ''}"
     Path(f"{stem}.md").write_text(table + f"\n![throughput]({stem.name}.png)\n")

@@ -4,16 +4,25 @@ scikit-learn's two bundled photos; nothing is downloaded) with imagefolder's def
 - the loader's images/s with each sample's draws seeded (ddp/loading/sample_seeds.py) against the same
   loader unseeded, interleaved repeats in one process and one thread, samples loaded in that process;
 - a resume's cost: from the launch of `train.py resume=<checkpoint>` to the end of its first update,
-  for checkpoints 10% and 90% into an epoch (the run stops at that update: the rest is the same for both).
+  for checkpoints 10% and 90% into an epoch (the run stops at that update: the rest is the same for both);
+- the input pipeline at 224 px (the `standard` training preset), images/s through the project's train
+  loader with 1 and 2 workers, from the same JPEGs stored as ImageFolder files, local tar shards
+  (`data=webdataset`), tar shards over HTTP through the node cache (cold, then warm) and Hugging Face
+  Arrow (`data=hf`), against its limit: the same decode and transform of the same bytes already in
+  memory, in one process.
 """
 
+import functools
+import http.server
 import os
 import statistics
 import subprocess
 import sys
+import threading
 import time
 from dataclasses import dataclass
 from pathlib import Path
+from types import SimpleNamespace
 
 import numpy as np
 import torch
@@ -32,10 +41,16 @@ class DataSettings:
     repeats: int
     batch_size: int = 32
     image_size: int = 64
+    pipeline_size: int = 224  # the input pipeline's crops, ImageNet's training size
+    samples_per_shard: int = 250
 
 
-DATA_FULL = DataSettings(images=2000, loader_images=640, repeats=5)
-DATA_QUICK = DataSettings(images=64, loader_images=64, repeats=1, batch_size=8)
+DATA_FULL = DataSettings(images=2000, loader_images=960, repeats=5)
+DATA_QUICK = DataSettings(images=64, loader_images=64, repeats=1, batch_size=8, pipeline_size=32, samples_per_shard=16)
+# what a loader reads from, at 1 and 2 workers (cold HTTP: at 1, its cache emptied before each repeat)
+PIPELINE = [("files", 1), ("local shards", 1), ("HTTP shards, cold cache", 1), ("HTTP shards, warm cache", 1), ("hf Arrow", 1),
+            ("files", 2), ("local shards", 2), ("HTTP shards, warm cache", 2), ("hf Arrow", 2)]
+SHARD_WINDOW = 2  # the shard contenders' data.shuffle_window: the setting for remote shards (prefetch)
 
 
 def write_photos(root: Path, images: int) -> Path:
@@ -119,7 +134,130 @@ def first_update_at(run_dir: Path, step: int) -> float:
     return event.wall_time
 
 
-def report(seeding: dict[str, list[float]], resumes: dict[str, list[float]], settings: DataSettings) -> tuple[list[str], list[tuple]]:
+def input_pipeline(root: Path, settings: DataSettings, scratch: Path) -> dict[str, list[tuple[float, float]]]:
+    """{"<storage>, <n> worker(s)": [(its images/s, the limit's just before it), per repeat]}, each
+    repeat's contenders interleaved. A loader's rate is its steady state: counted once each worker
+    has delivered its first batch (a worker's start, once an epoch, is left out as the limit has
+    none), to its last; each repeat reads a fresh epoch's order, `loader_images` images in all. The
+    limit, measured next to each contender (this machine's speed drifts), decodes the first third
+    of those images of the first repeat's epoch."""
+    from data.presets import imagefolder_transforms
+    from data.encoded import decode_image
+    from data.shards import convert
+    from ddp.loading.loader_workers import start_fork_server
+    from ddp.loading.samplers import epoch_order
+
+    torch.set_num_threads(1)
+    # the loader workers' fork server, with every contender's modules imported (train.py's imports one dataset's)
+    start_fork_server(["torch", "data.vision", "data.webdataset", "data.hf", *(["datasets"] if HF_DATASETS else [])])
+    shards = scratch / "shards"
+    convert(shards, ["data=imagefolder", f"data.root={root}"], settings.samples_per_shard)
+    pattern = f"train-{{000000..{len(list(shards.glob('train-*.tar'))) - 1:06d}}}.tar"
+    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), functools.partial(QuietHandler, directory=str(shards)))
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    url = f"http://127.0.0.1:{server.server_address[1]}"
+    storages = {"files": lambda cache: ("imagefolder", {"root": str(root)}),
+                "local shards": lambda cache: ("webdataset", {"train_shards": f"{shards}/{pattern}", "val_shards": f"{shards}/val-000000.tar"}),
+                "HTTP shards": lambda cache: ("webdataset", {"train_shards": f"{url}/{pattern}", "val_shards": f"{url}/val-000000.tar",
+                                                             "cache_dir": str(cache)})}
+    if HF_DATASETS:
+        hf_folder = write_hf(root, scratch / "hf")
+        storages["hf Arrow"] = lambda cache: ("hf", {"path": str(hf_folder)})
+    transform = imagefolder_transforms(settings.pipeline_size, "standard", 0.0, "bilinear")[0]
+    files = sorted((root / "train").glob("*/*.jpg"))  # ImageFolder's order
+    in_memory = [files[index].read_bytes() for index in epoch_order(len(files), seed=0, epoch=1)[:settings.loader_images // 3]]
+
+    def limit() -> float:
+        started = time.perf_counter()
+        for data in in_memory:
+            transform(decode_image(data))
+        return len(in_memory) / (time.perf_counter() - started)
+
+    def loader_rate(storage: str, workers: int, epoch: int) -> float:
+        name = storage.split(",")[0]
+        if name not in storages:
+            return float("nan")
+        cache = scratch / (f"cold-{epoch}" if "cold" in storage else "warm")
+        option, keys = storages[name](cache)
+        return images_per_second(build_split(option, keys, settings.pipeline_size), workers, epoch, settings,
+                                 SHARD_WINDOW if "shards" in storage else 0)
+
+    try:
+        loader_rate("HTTP shards, warm cache", 1, epoch=0)  # fills the warm cache; the files into the page cache
+        loader_rate("files", 1, epoch=0)
+        found: dict[str, list[tuple[float, float]]] = {pipeline_name(*contender): [] for contender in PIPELINE}
+        for repeat in range(settings.repeats):
+            for storage, workers in PIPELINE[::1 if repeat % 2 else -1]:
+                before = limit()
+                found[pipeline_name(storage, workers)].append((loader_rate(storage, workers, epoch=repeat + 1), before))
+    finally:
+        server.shutdown()
+    return found
+
+
+def pipeline_name(storage: str, workers: int) -> str:
+    return f"{storage}, {workers} worker{'s' if workers > 1 else ''}"
+
+
+class QuietHandler(http.server.SimpleHTTPRequestHandler):
+    def log_message(self, *args):
+        pass
+
+
+def build_split(option: str, keys: dict, image_size: int):
+    """The training split of data=<option> with these data.* keys, built as train.py builds it."""
+    from data.hf import build_hf
+    from data.vision import build_imagefolder
+    from data.webdataset import build_webdataset
+
+    builder = {"imagefolder": build_imagefolder, "webdataset": build_webdataset, "hf": build_hf}[option]
+    return builder(**keys, image_size=image_size, augment="standard", random_erase=0.0, interpolation="bilinear").train
+
+
+def images_per_second(dataset, workers: int, epoch: int, settings: DataSettings, window: int) -> float:
+    from ddp.distributed.env import DistEnv
+    from ddp.loading.loaders import build_train_loader, start_epoch
+
+    config = SimpleNamespace(batch_size=settings.batch_size, num_workers=workers, shuffle_window=window)
+    loader = build_train_loader(dataset, config, DistEnv(), seed=0, pin_memory=False)
+    start_epoch(loader, epoch)
+    batches = iter(loader)
+    for _ in range(max(workers, 1)):  # each worker started and its first batch in: from here, the steady state
+        next(batches)
+    started, count = time.perf_counter(), 0
+    for _, (images, _) in zip(range(settings.loader_images // settings.batch_size - max(workers, 1)), batches):
+        count += len(images)
+    rate = count / (time.perf_counter() - started)
+    del batches  # its workers stop
+    return rate
+
+
+try:
+    import datasets  # noqa: F401 (data=hf's library: the optional extra hf, which make bench installs)
+
+    HF_DATASETS = True
+except ImportError:
+    HF_DATASETS = False
+
+
+def write_hf(root: Path, folder: Path) -> Path:
+    """The ImageFolder's train and val files as a DatasetDict of their bytes (docs/sharded-data.md), saved."""
+    import datasets
+    from torchvision.datasets import ImageFolder
+
+    splits = {}
+    for name, split in (("train", "train"), ("val", "validation")):
+        images = ImageFolder(str(root / name))
+        features = datasets.Features({"image": datasets.Image(), "label": datasets.ClassLabel(names=images.classes)})
+        splits[split] = datasets.Dataset.from_dict(
+            {"image": [{"bytes": Path(path).read_bytes(), "path": None} for path, _ in images.samples],
+             "label": [label for _, label in images.samples]}, features=features)
+    datasets.DatasetDict(splits).save_to_disk(str(folder))
+    return folder
+
+
+def report(seeding: dict[str, list[float]], resumes: dict[str, list[float]], pipeline: dict[str, list[tuple[float, float]]],
+           settings: DataSettings) -> tuple[list[str], list[tuple]]:
     """The data path's table lines, and its ratio rows (what, ratio, goal)."""
     def cell(values: list[float], digits: int) -> str:
         return f"{statistics.median(values):.{digits}f} ({min(values):.{digits}f}-{max(values):.{digits}f})"
@@ -134,4 +272,25 @@ def report(seeding: dict[str, list[float]], resumes: dict[str, list[float]], set
              statistics.median(seeding["seeded"]) / statistics.median(seeding["unseeded"]), ">= 0.98"),
             ("resume cost: launch to first update, 90% / 10% into an epoch",
              statistics.median(resumes["90%"]) / statistics.median(resumes["10%"]), "<= 1.10")]
+    measured = {name: pairs for name, pairs in pipeline.items() if all(rate == rate for rate, _ in pairs)}  # nan: skipped
+    ratio = {name: statistics.median(rate / limit for rate, limit in pairs) for name, pairs in measured.items()}
+    rate = {name: statistics.median(rate for rate, _ in pairs) for name, pairs in measured.items()}
+    limits = [limit for pairs in measured.values() for _, limit in pairs]
+    lines += ["", f"Input pipeline: the same JPEGs, the `standard` training preset at {settings.pipeline_size} px, "
+              f"{settings.loader_images} images a measurement, from each worker's first batch on, tar shards of "
+              f"{settings.samples_per_shard} with data.shuffle_window={SHARD_WINDOW}; the limit: their decode and transform "
+              "from bytes in memory, in one process, measured just before each contender, which is reported against it "
+              "(the median of the repeats' ratios).", "",
+              "| input | images/s | / limit |", "|---|---|---|",
+              f"| limit: decode + transform in memory, one process | {cell(limits, 1)} | 1.000 |"]
+    lines += [f"| {name} | {cell([rate for rate, _ in pairs], 1)} | {ratio[name]:.3f} |" for name, pairs in measured.items()]
+    per_image_us = 1e6 * (1 / rate["files, 1 worker"] - 1 / rate["local shards, 1 worker"])
+    lines += ["", f"A file per image instead of shards (files - local shards, 1 worker): {per_image_us:+.0f} us an image."]
+    if not HF_DATASETS:
+        lines += ["", "hf Arrow rows skipped: datasets is not installed (the optional extra: pip install -e '.[hf]', "
+                  "which make bench installs)."]
+    for name, goal in (("local shards, 1 worker", ">= 0.90"), ("HTTP shards, warm cache, 1 worker", ">= 0.90")):
+        rows.append((f"input pipeline: {name} / in-memory decode limit", ratio[name], goal))
+    for name in ("files", "local shards"):
+        rows.append((f"input pipeline: {name}, 2 workers / 1 worker", rate[f"{name}, 2 workers"] / rate[f"{name}, 1 worker"], "report"))
     return lines, rows

@@ -10,6 +10,9 @@ A reader is a sequence of samples:
     reader.where(index) -> str  the sample's place for error lines (e.g. "train-000003.tar, key 0042")
     reader.shard_sizes          samples per shard, in order (None where there are no shards): for
                                 data.shuffle_window's locality-aware order (ddp/loading/samplers.py)
+    reader.prefetch(shards)     optional: start fetching these shards, ahead of their reads
+    reader.worker_modules       optional: modules a loader worker needs to unpickle the reader, which
+                                the workers' fork server imports once (ddp/loading/loader_workers.py)
 """
 
 import io
@@ -45,6 +48,14 @@ class EncodedImages(Dataset):
     @property
     def shard_sizes(self) -> list[int] | None:
         return self.reader.shard_sizes
+
+    @property
+    def prefetch(self):
+        return getattr(self.reader, "prefetch", None)
+
+    @property
+    def worker_modules(self) -> tuple[str, ...]:
+        return getattr(self.reader, "worker_modules", ())
 
     def __len__(self) -> int:
         return len(self.reader)

@@ -30,6 +30,7 @@ class ArrowImages:
     """One split as a reader for EncodedImages (data/encoded.py): `(encoded bytes, label)` by row."""
 
     shard_sizes = None  # one memory-mapped table: any order reads it as fast
+    worker_modules = ("datasets",)  # what a loader worker imports to unpickle the table: the fork server's, once
 
     def __init__(self, split, image_column: str, label_column: str, location: str):
         from datasets import Image

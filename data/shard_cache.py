@@ -10,13 +10,18 @@
   would exceed it (a shard in use stays readable: an open file outlives its removal).
 - A server that doesn't answer: bounded retries with backoff, then one line naming the URL. The run
   stops there with its checkpoints intact, and `resume=auto` continues once the server is back.
+- Ahead of time: `Prefetcher` downloads the shards the sampler names next (data.shuffle_window's next
+  window) on a thread of the process, so the reads find them in the cache.
 """
 
-import contextlib
 import fcntl
 import hashlib
+import http.client
+import logging
 import os
+import queue
 import shutil
+import threading
 import time
 import urllib.error
 import urllib.request
@@ -24,6 +29,7 @@ from pathlib import Path
 
 from data.vision import BadSample
 
+log = logging.getLogger(__name__)
 RETRIES = 3
 TIMEOUT_S = 30.0
 CHUNK_BYTES = 1 << 20
@@ -47,8 +53,9 @@ class ShardCache:
         """Where `url` is cached: its file name, prefixed with a digest of the whole URL (two servers' train-0.tar differ)."""
         return self.directory / f"{hashlib.sha1(url.encode()).hexdigest()[:12]}-{Path(url.split('?')[0]).name}"
 
-    def fetch(self, url: str) -> Path:
-        """The local path of `url`'s whole file, downloading it first if no process of this node has."""
+    def fetch(self, url: str, missing_ok: bool = False) -> Path | None:
+        """The local path of `url`'s whole file, downloading it first if no process of this node has.
+        missing_ok: None for a file the server doesn't have (404), at once, where it is optional."""
         target = self.path(url)
         if target.exists():
             os.utime(target)  # its use, for the least-recently-used eviction
@@ -56,33 +63,56 @@ class ShardCache:
         self.directory.mkdir(parents=True, exist_ok=True)
         with open(target.with_name(target.name + ".lock"), "w") as lock:
             fcntl.flock(lock, fcntl.LOCK_EX)  # another process of this node may be downloading it
-            if not target.exists():
-                self._download(url, target)
+            if not target.exists() and not self._download(url, target, missing_ok):
+                return None
         return target
 
-    def _download(self, url: str, target: Path) -> None:
-        part = target.with_name(f"{target.name}.part-{os.getpid()}")
+    def read(self, url: str, missing_ok: bool = False) -> bytes | None:
+        """A small file's bytes straight from the server, not cached (dataset.json: a conversion may
+        have finished since); None for a 404 where missing_ok."""
+        return self._get(url, lambda response: response.read(), missing_ok)
+
+    def _download(self, url: str, target: Path, missing_ok: bool = False) -> bool:
+        """False for a 404 where missing_ok; else the file in place, or ShardUnavailable. Called with the
+        shard's lock held: a part file left by a process killed mid-download is stale, and goes."""
+        for stale in target.parent.glob(f"{target.name}.part-*"):
+            stale.unlink(missing_ok=True)
+        part = target.with_name(f"{target.name}.part-{os.getpid()}-{threading.get_ident()}")
+
+        def save(response) -> bool:
+            with open(part, "wb") as out:
+                length = response.headers.get("Content-Length")
+                self._make_room(int(length or 0), keep=target)
+                shutil.copyfileobj(response, out, CHUNK_BYTES)
+                # a connection closed early ends a chunked read without an error: count the bytes
+                if length is not None and out.tell() != int(length):
+                    raise ConnectionError(f"the connection closed after {out.tell()} of {length} bytes")
+                out.flush()
+                os.fsync(out.fileno())
+            os.replace(part, target)
+            return True
+
+        try:
+            return self._get(url, save, missing_ok) is not None
+        finally:
+            part.unlink(missing_ok=True)
+
+    def _get(self, url: str, handle, missing_ok: bool):
+        """handle(response), tried `retries` times with backoff; None for a 404 where missing_ok."""
         reason = ""
         for attempt in range(self.retries):
             if attempt:
                 time.sleep(min(2.0**attempt, 10.0))  # backoff: a server restarting gets a few seconds
             try:
-                with urllib.request.urlopen(url, timeout=self.timeout_s) as response, open(part, "wb") as out:
-                    length = response.headers.get("Content-Length")
-                    self._make_room(int(length or 0), keep=target)
-                    shutil.copyfileobj(response, out, CHUNK_BYTES)
-                    # a connection closed early ends a chunked read without an error: count the bytes
-                    if length is not None and out.tell() != int(length):
-                        raise ConnectionError(f"the connection closed after {out.tell()} of {length} bytes")
-                    out.flush()
-                    os.fsync(out.fileno())
-                os.replace(part, target)
-                return
-            except (urllib.error.URLError, TimeoutError, ConnectionError, OSError) as error:
-                reason = " ".join(str(getattr(error, "reason", error)).split())
-                with contextlib.suppress(FileNotFoundError):
-                    part.unlink()
-        raise ShardUnavailable(f"{url}: no shard after {self.retries} tries ({reason}); check that the server serves it, "
+                with urllib.request.urlopen(url, timeout=self.timeout_s) as response:
+                    return handle(response)
+            except urllib.error.HTTPError as error:
+                if error.code == 404 and missing_ok:
+                    return None
+                reason = f"HTTP {error.code} {error.reason}"
+            except (urllib.error.URLError, TimeoutError, ConnectionError, OSError, http.client.HTTPException) as error:
+                reason = " ".join(str(getattr(error, "reason", error)).split()) or type(error).__name__
+        raise ShardUnavailable(f"{url}: unreachable after {self.retries} tries ({reason}); check that the server serves it, "
                                "then continue the run with resume=auto")
 
     def _make_room(self, incoming: int, keep: Path) -> None:
@@ -97,5 +127,28 @@ class ShardCache:
                 break
             used -= path.stat().st_size
             for stale in [path, *(sibling for sibling in self.directory.glob(f"{path.name}.*") if not sibling.name.endswith(".lock"))]:
-                with contextlib.suppress(FileNotFoundError):
-                    stale.unlink()
+                stale.unlink(missing_ok=True)
+
+
+class Prefetcher:
+    """Downloads shards into the cache on a daemon thread of this process, in the order asked, so that
+    the reads that follow find them there (they wait on the shard's lock while it downloads). A failed
+    prefetch is left to the read, which retries and names the URL. Made lazily in each process that asks;
+    a DataLoader worker gets none (`__getstate__`)."""
+
+    def __init__(self, cache: ShardCache):
+        self.cache = cache
+        self.requests: queue.Queue[str] = queue.Queue()
+        threading.Thread(target=self._run, name="shard-prefetch", daemon=True).start()
+
+    def __call__(self, urls: list[str]) -> None:
+        for url in urls:
+            self.requests.put(url)
+
+    def _run(self) -> None:
+        while True:
+            url = self.requests.get()
+            try:
+                self.cache.fetch(url)
+            except (BadSample, OSError) as error:
+                log.debug("prefetch of %s failed (%s); the read will retry it", url, error)

@@ -24,7 +24,7 @@ class BadSample(ConfigError):
     def __init__(self, message: str):
         # Raised in a DataLoader worker, it comes back as "Caught BadSample in DataLoader worker process N.
         # Original Traceback ...": keep the one line it was raised with.
-        super().__init__(message.rstrip().splitlines()[-1].removeprefix(f"{__name__}.{type(self).__name__}: "))
+        super().__init__(message.rstrip().splitlines()[-1].removeprefix(f"{type(self).__module__}.{type(self).__qualname__}: "))
 
 
 class CheckedImageFolder(datasets.ImageFolder):

@@ -13,6 +13,7 @@ does. Every bad input that can be seen at startup (a pattern matching no file, a
 tar, a sample without an image or a label, a label outside the classes, a stale index, an interrupted
 conversion) is a one-line ConfigError before anything starts; an unreadable image is found mid-run."""
 
+import collections
 import io
 import json
 import logging
@@ -26,7 +27,7 @@ import torch
 from data import DataSplits
 from data.encoded import EncodedImages
 from data.presets import imagefolder_transforms
-from data.shard_cache import ShardCache, is_remote
+from data.shard_cache import Prefetcher, ShardCache, is_remote
 from data.views import check_views
 from data.vision import ON_BAD_SAMPLE, BadSample
 from ddp.config.schema import ConfigError
@@ -41,6 +42,7 @@ INDEX_SUFFIX = ".idx.json"
 INDEX_FORMAT = 1
 MANIFEST = "dataset.json"  # python -m data.shards writes it last: class names, shards and their sample counts
 PARTIAL_MANIFEST = "dataset.partial.json"  # present while a conversion runs, and after one was interrupted
+MAX_OPEN_SHARDS = 64  # per process: a window's shards stay open (data.shuffle_window), a full shuffle reopens
 
 
 def local_shard(location: str, cache: ShardCache | None) -> Path:
@@ -126,21 +128,41 @@ def load_index(shard: Path) -> dict:
         index = build_index(shard)
         _save_atomically(index_path, index)
         return index
-    stale = f"{index_path}: disagrees with its shard {shard.name}"
-    fix = "delete the index to rebuild it from the shard"
+    index = read_index(index_path)
+    stat = shard.stat()
+    recorded = (index["format"], index["shard_bytes"], index["shard_mtime_ns"])
+    if recorded != (INDEX_FORMAT, stat.st_size, stat.st_mtime_ns):
+        raise ConfigError(f"{index_path}: disagrees with its shard {shard.name} (written for {recorded[1]} bytes modified "
+                          f"at {recorded[2]} ns, format {recorded[0]}; the shard has {stat.st_size} bytes modified at "
+                          f"{stat.st_mtime_ns} ns); delete the index to rebuild it from the shard")
+    return index
+
+
+def read_index(index_path: Path, name: str | None = None) -> dict:
+    """An index file, refused if it isn't one or if a sample lies past its shard's end. name: where the
+    error lines say it came from (a served index's URL)."""
+    name = name or str(index_path)
     try:
         index = json.loads(index_path.read_text())
-        recorded = (index["format"], index["shard_bytes"], index["shard_mtime_ns"])
-        samples = index["samples"]
+        shard_bytes, samples = index["shard_bytes"], index["samples"]
+        index["format"], index["shard_mtime_ns"]  # noqa: B018 (present, checked by load_index)
     except (ValueError, KeyError, TypeError) as error:
-        raise ConfigError(f"{index_path}: not a readable shard index ({type(error).__name__}: {error}); {fix}") from None
-    stat = shard.stat()
-    if recorded != (INDEX_FORMAT, stat.st_size, stat.st_mtime_ns):
-        raise ConfigError(f"{stale} (written for {recorded[1]} bytes modified at {recorded[2]} ns, format "
-                          f"{recorded[0]}; the shard has {stat.st_size} bytes modified at {stat.st_mtime_ns} ns); {fix}")
-    if any(offset + size > stat.st_size for _, _, offset, size, _ in samples):
-        raise ConfigError(f"{stale} (a sample lies beyond the shard's {stat.st_size} bytes); {fix}")
+        raise ConfigError(f"{name}: not a readable shard index ({type(error).__name__}: {error}); "
+                          "delete the index to rebuild it from the shard") from None
+    if index["format"] != INDEX_FORMAT or any(offset + size > shard_bytes for _, _, offset, size, _ in samples):
+        raise ConfigError(f"{name}: disagrees with its shard (format {index['format']}, or a sample beyond the shard's "
+                          f"{shard_bytes} bytes); delete the index to rebuild it from the shard")
     return index
+
+
+def shard_index(location: str, cache: ShardCache | None) -> dict:
+    """A shard's index. For an http(s) shard, the index the server has beside it (`<url>.idx.json`, which
+    the converter writes) comes through the cache, so that no shard is downloaded to start a run; the
+    copy's size is checked against it when the shard is read. Without one, the shard is downloaded and
+    its index built from the copy."""
+    if is_remote(location) and (served := cache.fetch(location + INDEX_SUFFIX, missing_ok=True)) is not None:
+        return read_index(served, location + INDEX_SUFFIX)
+    return load_index(local_shard(location, cache))
 
 
 def _save_atomically(path: Path, index: dict) -> None:
@@ -158,20 +180,25 @@ def _save_atomically(path: Path, index: dict) -> None:
 class ShardReader:
     """The samples of a split's shards, in shard order then tar order, read by index: a reader for
     EncodedImages (data/encoded.py). Shard files are opened lazily by each process (DataLoader workers
-    included) and read with os.pread, so no descriptor or file offset is shared across processes."""
+    included), at most MAX_OPEN_SHARDS at a time (the least recently read closes: file descriptors are
+    limited, and a remote shard evicted from the cache frees its disk once closed), and read with
+    os.pread, so no descriptor or file offset is shared across processes."""
 
     def __init__(self, shards: list[str], indexes: list[dict], cache: ShardCache | None = None):
         self.shards, self.cache = shards, cache
         self.samples = [(shard_number, *sample) for shard_number, index in enumerate(indexes) for sample in index["samples"]]
         self.shard_sizes = [len(index["samples"]) for index in indexes]
-        self._files: dict[int, int] = {}
+        self.shard_bytes = [index["shard_bytes"] for index in indexes]
+        self._files: collections.OrderedDict[int, int] = collections.OrderedDict()
+        self._prefetcher: Prefetcher | None = None
         self._pid = os.getpid()
 
     def __len__(self) -> int:
         return len(self.samples)
 
     def __getstate__(self) -> dict:
-        return {**self.__dict__, "_files": {}}  # descriptors don't travel to another process
+        # descriptors and the prefetch thread don't travel to another process
+        return {**self.__dict__, "_files": collections.OrderedDict(), "_prefetcher": None}
 
     def where(self, index: int) -> str:
         shard_number, key = self.samples[index][:2]
@@ -191,12 +218,32 @@ class ShardReader:
                             "the shard changed after its index was built: delete its index to rebuild it")
         return data, label
 
+    def prefetch(self, shard_numbers: list[int]) -> None:
+        """Start downloading these shards into the cache, in the background (remote shards only: a local
+        shard is read where it lies)."""
+        urls = [self.shards[number] for number in shard_numbers if is_remote(self.shards[number])]
+        if urls:
+            if self._prefetcher is None or self._pid != os.getpid():
+                self._prefetcher, self._pid = Prefetcher(self.cache), os.getpid()
+            self._prefetcher(urls)
+
     def _file(self, shard_number: int) -> int:
-        if self._pid != os.getpid():  # a forked child: its parent's descriptors are the parent's
-            self._files, self._pid = {}, os.getpid()
-        if shard_number not in self._files:
-            self._files[shard_number] = os.open(local_shard(self.shards[shard_number], self.cache), os.O_RDONLY)
-        return self._files[shard_number]
+        if self._pid != os.getpid():  # a forked child: its parent's descriptors and thread are the parent's
+            self._files, self._prefetcher, self._pid = collections.OrderedDict(), None, os.getpid()
+        if shard_number in self._files:
+            self._files.move_to_end(shard_number)
+            return self._files[shard_number]
+        if len(self._files) >= MAX_OPEN_SHARDS:
+            os.close(self._files.popitem(last=False)[1])
+        location = self.shards[shard_number]
+        descriptor = os.open(local_shard(location, self.cache), os.O_RDONLY)
+        if is_remote(location) and (copied := os.fstat(descriptor).st_size) != self.shard_bytes[shard_number]:
+            os.close(descriptor)
+            raise BadSample(f"{location}{INDEX_SUFFIX}: disagrees with its shard (written for {self.shard_bytes[shard_number]} "
+                            f"bytes; the server's shard has {copied}); write the index again beside the served shard "
+                            "(python -m data.shards writes both), or remove it there")
+        self._files[shard_number] = descriptor
+        return descriptor
 
 
 def load_tensor(data: bytes) -> torch.Tensor:
@@ -207,32 +254,36 @@ def load_tensor(data: bytes) -> torch.Tensor:
         raise ValueError(f"not a saved tensor ({type(error).__name__})") from None
 
 
-def read_manifest(shards: list[str], key: str) -> dict | None:
-    """The converter's dataset.json beside the shards, or None for shards written by other tools or
-    served over HTTP. Shards of an interrupted conversion are refused."""
-    if is_remote(shards[0]):
-        return None
-    folder = Path(shards[0]).parent
-    if (folder / PARTIAL_MANIFEST).exists():
+def read_manifest(shards: list[str], key: str, cache: ShardCache | None = None) -> dict | None:
+    """The converter's dataset.json beside the shards (for http(s) shards, beside them on the server), or
+    None for shards written by other tools. Shards of an interrupted conversion are refused."""
+    folder = shards[0].rsplit("/", 1)[0] if "/" in shards[0] else "."
+    if is_remote(folder):
+        partial, manifest = (cache.read(f"{folder}/{name}", missing_ok=True) for name in (PARTIAL_MANIFEST, MANIFEST))
+    else:
+        partial, manifest = ((Path(folder) / name).read_bytes() if (Path(folder) / name).exists() else None
+                             for name in (PARTIAL_MANIFEST, MANIFEST))
+    if partial is not None:
         raise ConfigError(f"{key}: {folder} holds an interrupted conversion ({PARTIAL_MANIFEST}, no {MANIFEST}); "
                           f"run python -m data.shards {folder} ... again to finish it")
-    manifest_path = folder / MANIFEST
-    if not manifest_path.exists():
+    if manifest is None:
         return None
     try:
-        return json.loads(manifest_path.read_text())
+        return json.loads(manifest)
     except ValueError as error:
-        raise ConfigError(f"{manifest_path}: not readable JSON ({error}); write the shards again with python -m data.shards") from None
+        raise ConfigError(f"{folder}/{MANIFEST}: not readable JSON ({error}); write the shards again with "
+                          "python -m data.shards") from None
 
 
 def check_against_manifest(manifest: dict, split: str, shards: list[str], indexes: list[dict]) -> None:
     """A shard the manifest lists must hold the samples it counted (a shard replaced since is refused)."""
     listed = manifest.get("splits", {}).get(split, {})
     counts = dict(zip(listed.get("shards", []), listed.get("samples", [])))
-    for shard, index in zip(map(Path, shards), indexes):
-        if shard.name in counts and counts[shard.name] != len(index["samples"]):
-            raise ConfigError(f"{shard}: holds {len(index['samples'])} samples where {shard.parent / MANIFEST} counts "
-                              f"{counts[shard.name]}; write the shards again with python -m data.shards")
+    for shard, index in zip(shards, indexes):
+        name = shard.rsplit("/", 1)[-1]
+        if name in counts and counts[name] != len(index["samples"]):
+            raise ConfigError(f"{shard}: holds {len(index['samples'])} samples where its folder's {MANIFEST} counts "
+                              f"{counts[name]}; write the shards again with python -m data.shards")
 
 
 def build_webdataset(train_shards: str, val_shards: str, image_size: int, augment: str | bool, random_erase: float,
@@ -251,12 +302,12 @@ def build_webdataset(train_shards: str, val_shards: str, image_size: int, augmen
     if cache is None and any(is_remote(name) for names in shards.values() for name in names):
         raise ConfigError("data.cache_dir=null: http(s) shards are read from a local copy; set data.cache_dir to a "
                           "folder on a local disk that the ranks of a node share, e.g. data.cache_dir=/tmp/shards")
-    manifest = read_manifest(shards["train"], "data.train_shards")
+    manifest = read_manifest(shards["train"], "data.train_shards", cache)
     readers = {}
     for split, paths in shards.items():
         if split != "train":
-            read_manifest(paths, f"data.{split}_shards")  # an interrupted conversion there too
-        indexes = [load_index(local_shard(path, cache)) for path in paths]
+            read_manifest(paths, f"data.{split}_shards", cache)  # an interrupted conversion there too
+        indexes = [shard_index(path, cache) for path in paths]
         if manifest is not None:
             check_against_manifest(manifest, split, paths, indexes)
         readers[split] = ShardReader(paths, indexes, cache)

@@ -41,7 +41,8 @@ def test_quick_bench_writes_the_table_the_ratios_and_a_plot(tmp_path):
         throughput = float(row.split("|")[4].split()[0])
         assert throughput > 0, row
     for ratio in ("train.py DDP / plain loop, throughput, small_cnn", "train.py DDP / plain loop, whole-process wall time",
-                  "weak scaling", "per-sample seeding", "resume cost"):
+                  "weak scaling", "per-sample seeding", "resume cost", "input pipeline: local shards, 1 worker / in-memory",
+                  "input pipeline: HTTP shards, warm cache, 1 worker / in-memory", "input pipeline: files, 2 workers / 1 worker"):
         assert re.search(rf"\| {re.escape(ratio)}[^|]* \| \d+\.\d{{3}} \|", text), ratio
     if load_bench().LIGHTNING:  # the optional extra (.[bench]): its contender, or a line that says it was skipped
         assert re.search(r"\| train.py DDP / Lightning, throughput, small_cnn \| \d+\.\d{3} \|", text), text
@@ -69,7 +70,9 @@ def test_every_contender_of_the_full_bench_composes_and_its_ratios_come_out():
         contender.throughput, contender.wall, contender.state_bytes = [100.0 + 10 * index], [10.0 + index], [1000 + 100 * index]
     found = {(c.name, c.model): c for c in chosen}
     seeding, resumes = {"seeded": [98.0], "unseeded": [100.0]}, {"10%": [10.0], "90%": [10.5]}
-    table = bench.report(chosen, bench.FULL, False, *bench.data_path.report(seeding, resumes, bench.data_path.DATA_FULL))
+    names = [bench.data_path.pipeline_name(*contender) for contender in bench.data_path.PIPELINE]
+    pipeline = {name: [(190.0 - 10 * index, 200.0 + index)] for index, name in enumerate(names)}  # (rate, the limit's next to it)
+    table = bench.report(chosen, bench.FULL, False, *bench.data_path.report(seeding, resumes, pipeline, bench.data_path.DATA_FULL))
     rows = dict(re.findall(r"^\| ([^|]+) \| (-?\d+\.\d{3}) \|", table, re.M))
 
     def throughput(name, model):
@@ -102,6 +105,11 @@ def test_every_contender_of_the_full_bench_composes_and_its_ratios_come_out():
         assert float(rows[what % "whole-process wall time"]) == pytest.approx(with_it.wall[0] / ddp.wall[0], abs=5e-4)
     assert float(rows["per-sample seeding: loader images/s, seeded / unseeded"]) == pytest.approx(0.98, abs=5e-4)
     assert float(rows["resume cost: launch to first update, 90% / 10% into an epoch"]) == pytest.approx(1.05, abs=5e-4)
+    for name in ("local shards, 1 worker", "HTTP shards, warm cache, 1 worker"):
+        (rate, limit), = pipeline[name]
+        assert float(rows[f"input pipeline: {name} / in-memory decode limit"]) == pytest.approx(rate / limit, abs=5e-4)
+    assert float(rows["input pipeline: files, 2 workers / 1 worker"]) == pytest.approx(
+        pipeline["files, 2 workers"][0][0] / pipeline["files, 1 worker"][0][0], abs=5e-4)
 
 
 def test_time_spent_waiting_for_batches_is_the_data_wait():

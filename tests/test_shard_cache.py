@@ -18,15 +18,24 @@ from data.shard_cache import ShardCache, ShardUnavailable
 
 class Server:
     """A folder served on 127.0.0.1, every GET recorded; `cut_after`: bytes sent before it hangs up
-    mid-file, or before it pauses `pause_s` and sends the rest."""
+    mid-file, or before it pauses `pause_s` and sends the rest. `stop_at`: the server stops, as if its
+    machine went away, when it is asked for that file. `port`: a port to serve on again."""
 
-    def __init__(self, folder: Path, cut_after: int | None = None, pause_s: float = 0.0):
+    def __init__(self, folder: Path, cut_after: int | None = None, pause_s: float = 0.0, stop_at: str | None = None,
+                 port: int = 0):
         self.requests: list[str] = []
+        self.arrived = threading.Condition()
         server = self
 
         class Handler(http.server.SimpleHTTPRequestHandler):
             def do_GET(self):
-                server.requests.append(self.path)
+                with server.arrived:
+                    server.requests.append(self.path)
+                    server.arrived.notify_all()
+                if self.path == stop_at:
+                    threading.Thread(target=server.stop).start()
+                    self.close_connection = True  # no answer
+                    return
                 if cut_after is None:
                     return super().do_GET()
                 body = (folder / self.path.lstrip("/")).read_bytes()
@@ -43,9 +52,15 @@ class Server:
             def log_message(self, *args):
                 pass
 
-        self.httpd = http.server.ThreadingHTTPServer(("127.0.0.1", 0), functools.partial(Handler, directory=str(folder)))
-        self.url = f"http://127.0.0.1:{self.httpd.server_address[1]}"
+        self.httpd = http.server.ThreadingHTTPServer(("127.0.0.1", port), functools.partial(Handler, directory=str(folder)))
+        self.port = self.httpd.server_address[1]
+        self.url = f"http://127.0.0.1:{self.port}"
         threading.Thread(target=self.httpd.serve_forever, daemon=True).start()
+
+    def wait_for(self, predicate, timeout_s: float = 60.0) -> bool:
+        """Whether predicate(requests) came true within timeout_s, waiting on the requests as they arrive."""
+        with self.arrived:
+            return self.arrived.wait_for(lambda: predicate(self.requests), timeout_s)
 
     def stop(self) -> None:
         self.httpd.shutdown()
@@ -89,7 +104,7 @@ def test_a_download_cut_short_is_never_put_in_place(shards, tmp_path):
         assert not cache.path(url).exists()
         assert [path.name for path in (tmp_path / "cache").iterdir() if ".part-" in path.name] == []
         line = str(raised.value)
-        assert "\n" not in line and line.startswith(f"{url}: no shard after 2 tries") and "resume=auto" in line, line
+        assert "\n" not in line and line.startswith(f"{url}: unreachable after 2 tries") and "resume=auto" in line, line
     finally:
         server.stop()
 
@@ -142,4 +157,4 @@ def test_a_server_that_is_gone_is_one_line_naming_the_url_after_bounded_retries(
         ShardCache(tmp_path / "cache", retries=2, timeout_s=2).fetch(url)
     assert time.monotonic() - started < 30
     line = str(raised.value)
-    assert "\n" not in line and line.startswith(f"{url}: no shard after 2 tries (") and "refused" in line.lower(), line
+    assert "\n" not in line and line.startswith(f"{url}: unreachable after 2 tries (") and "refused" in line.lower(), line

@@ -273,4 +273,130 @@ def test_shards_served_over_http_train_as_the_local_ones_and_a_gone_server_is_on
     (tmp_path / "gone").mkdir()
     result = launch([*http, f"data.cache_dir={tmp_path / 'cold'}", *SMALL], tmp_path / "gone")
     line = one_error_line(result, tmp_path / "gone")
-    assert line.startswith(f"error: {server.url}/train-000000.tar: no shard after 3 tries") and "resume=auto" in line, line
+    # the first file a start asks for: the folder's dataset.json (or its interrupted conversion's)
+    assert line.startswith(f"error: {server.url}/dataset.partial.json: unreachable after 3 tries") and "resume=auto" in line, line
+
+
+def test_the_next_windows_shards_download_in_the_background_and_no_read_leaves_the_window(trained, tmp_path):
+    """Shards served over HTTP, data.shuffle_window=1, one rank of 2 iterating its sampler as a DataLoader
+    does: the run starts without downloading a shard (the served indexes say what each holds); as the
+    rank's samples enter each window, the next window's shard is requested from the server before any
+    sample is read (the test reads nothing until it has been); and no shard beyond the next window is
+    ever asked for. Each shard is downloaded once."""
+    from data.shard_cache import ShardCache
+    from data.webdataset import ShardReader, shard_index
+    from ddp.loading.samplers import TrainSampler, epoch_windows
+    from test_shard_cache import Server
+
+    server = Server(trained["shards"])
+    try:
+        urls = [f"{server.url}/train-{number:06d}.tar" for number in range(3)]
+        cache = ShardCache(tmp_path / "cache")
+        reader = ShardReader(urls, [shard_index(url, cache) for url in urls], cache)
+        assert not [path for path in server.requests if path.endswith(".tar")]
+        sampler = TrainSampler(range(len(reader)), num_replicas=2, rank=1, seed=0, shard_sizes=reader.shard_sizes,
+                               window=1, prefetch=reader.prefetch)
+        sampler.set_epoch(3)
+        windows = epoch_windows(0, 3, reader.shard_sizes, window=1)
+        window_of = {index: number for number, (_, samples) in enumerate(windows) for index in samples}
+        requested = lambda number: f"/train-{windows[number][0][0]:06d}.tar"  # noqa: E731
+        entered = -1
+        for index in sampler:
+            if window_of[index] != entered:
+                entered = window_of[index]
+                upcoming = [requested(number) for number in range(entered, min(entered + 2, len(windows)))]
+                assert server.wait_for(lambda got: set(upcoming) <= set(got)), (entered, server.requests)
+                beyond = {requested(number) for number in range(entered + 2, len(windows))}
+                assert not beyond & set(server.requests), (entered, server.requests)
+            reader[index]
+        assert entered == len(windows) - 1
+        assert sorted(path for path in server.requests if path.endswith(".tar")) == sorted(urls[n][len(server.url):] for n in range(3))
+    finally:
+        server.stop()
+
+
+def test_http_shards_killed_then_cut_off_resume_from_a_cold_cache_bit_identically(trained, tmp_path, monkeypatch):
+    """HTTP shards, data.shuffle_window=1, 2 loader workers, 2 epochs of 4 updates: killed at update 6
+    (the checkpoint of update 5 saved); resumed with an empty cache, the server stops when asked for
+    a shard mid-epoch: one line naming the URL, exit 1, the checkpoint untouched; the server back,
+    resumed again with another empty cache: the uninterrupted run's weights, optimizer and RNG states,
+    bit for bit (the uninterrupted run on the local shards: the same bytes, tested above)."""
+    from test_fault_tolerance import assert_bit_identical, last_checkpoint
+    from test_shard_cache import Server
+
+    shards = trained["shards"]
+    common = ["data=webdataset", "data.shuffle_window=1", "data.image_size=16", "model.channels=[8,16]",
+              "checkpoint.keep_best=0", "data.batch_size=16", "trainer.max_epochs=2", "checkpoint.every_n_steps=5"]
+    monkeypatch.chdir(tmp_path)
+    run_in_this_process([*common, f"data.train_shards='{shards}/train-{{000000..000002}}.tar'",
+                         f"data.val_shards={shards}/val-000000.tar", "data.num_workers=0"], tmp_path / "uninterrupted")
+    uninterrupted = last_checkpoint(tmp_path / "uninterrupted")
+    assert uninterrupted["global_step"] == 8
+
+    server = Server(shards)
+    http = [*common, f"data.train_shards='{server.url}/train-{{000000..000002}}.tar'",
+            f"data.val_shards={server.url}/val-000000.tar", "data.num_workers=2"]
+    (tmp_path / "runs").mkdir()
+    killed = launch([*http, "data.cache_dir=cache_a", "fault.kill_rank=0", "fault.at_step=6"], tmp_path / "runs")
+    server.stop()
+    assert killed.returncode != 0, killed.stderr[-3000:]
+    (run_dir,) = run_dirs(tmp_path / "runs")
+    assert (last_checkpoint(run_dir)["global_step"], last_checkpoint(run_dir)["epoch"]) == (5, 1)
+    saved = {path: path.read_bytes() for path in (run_dir / "checkpoints").iterdir()}
+
+    # epoch 1 from its 17th sample: its 3 windows' shards. The server goes when asked for the last one.
+    last_shard = epoch_windows_last_shard(seed=0, epoch=1)
+    server = Server(shards, port=server.port, stop_at=f"/train-{last_shard:06d}.tar")
+    cut_off = launch([*http, "data.cache_dir=cache_b", f"resume={run_dir}"], tmp_path / "runs")
+    server.stop()
+    line = one_error_line_of(cut_off)
+    assert line.startswith(f"error: {server.url}/train-{last_shard:06d}.tar: unreachable after 3 tries"), line
+    assert "resume=auto" in line and {path: path.read_bytes() for path in (run_dir / "checkpoints").iterdir()} == saved
+
+    server = Server(shards, port=server.port)
+    try:
+        check(launch([*http, "data.cache_dir=cache_c", "resume=auto", f"hydra.run.dir={run_dir}"], tmp_path / "runs"))
+    finally:
+        server.stop()
+    assert len(run_dirs(tmp_path / "runs")) == 1
+    assert_bit_identical(last_checkpoint(run_dir), uninterrupted)
+
+
+def epoch_windows_last_shard(seed: int, epoch: int) -> int:
+    """The shard of the last window of an epoch over the 3 converted train shards, data.shuffle_window=1."""
+    from ddp.loading.samplers import epoch_windows
+
+    return epoch_windows(seed, epoch, [24, 24, 16], window=1)[-1][0][0]
+
+
+def one_error_line_of(result: subprocess.CompletedProcess) -> str:
+    """A run that stopped mid-run with one `error:` line on stderr and no traceback: that line."""
+    assert result.returncode == 1, result.stderr[-3000:]
+    errors = [line for line in result.stderr.splitlines() if line.startswith("error: ")]
+    assert len(errors) == 1 and "Traceback" not in result.stderr, result.stderr[-3000:]
+    return errors[0]
+
+
+def test_an_elastic_resume_on_shards_trains_every_sample_once(trained, tmp_path, monkeypatch):
+    """data.shuffle_window=2 on the converted shards: 2 ranks x 8 killed at update 3 of 4 (the
+    checkpoint of update 2 saved), resumed as 1 process x 16: epoch 0 is the 2 ranks' first 2 updates
+    and the resumed process's rest, every sample once; epoch 1 every sample once."""
+    shards = trained["shards"]
+    args = ["data=webdataset", f"data.train_shards='{shards}/train-{{000000..000002}}.tar'",
+            f"data.val_shards={shards}/val-000000.tar", "data.shuffle_window=2", "data.image_size=16",
+            "model.channels=[8,16]", "checkpoint.keep_best=0", "trainer.max_epochs=2", "data.num_workers=0",
+            "checkpoint.every_n_steps=2"]
+    killed = launch(["strategy=ddp", *args, "data.batch_size=8", "fault.record_samples_dir=samples",
+                     "fault.kill_rank=1", "fault.at_step=3"], tmp_path, nproc=2)
+    assert killed.returncode != 0, killed.stderr[-3000:]
+    (run_dir,) = run_dirs(tmp_path)
+    monkeypatch.chdir(tmp_path)
+    results = run_in_this_process(["strategy=single", *args, "data.batch_size=16", f"resume={run_dir}",
+                                   "fault.record_samples_dir=resumed"], run_dir)
+    assert (results["world_size"], results["steps"]) == (1, 8)
+    before = [record for path in (tmp_path / "samples").glob("rank*.jsonl")
+              for record in map(json.loads, path.read_text().splitlines()) if record["step"] <= 2]
+    after = [record for path in (tmp_path / "resumed").glob("rank*.jsonl") for record in map(json.loads, path.read_text().splitlines())]
+    epoch = lambda records, number: sorted(i for r in records if r["epoch"] == number for i in r["ids"])  # noqa: E731
+    assert len(before) == 4 and sorted(epoch(before, 0) + epoch(after, 0)) == list(range(64))
+    assert epoch(after, 1) == list(range(64))

@@ -66,7 +66,7 @@ class SampleRecorder:
         """The epoch's `record_batch(batch_index, step)`, for a loader whose first batch is the epoch's
         `first_batch`-th (a resume's). The loader batches the sampler's indices in order (no
         drop_last), so batch i holds indices[(i - first_batch) * batch_size:][:batch_size]."""
-        indices = list(sampler)
+        indices = sampler.indices()  # TrainSampler's, without starting its prefetch of remote shards
 
         def record_batch(batch_index: int, step: int) -> None:
             start = (batch_index - first_batch) * self.batch_size

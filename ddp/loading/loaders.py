@@ -23,7 +23,8 @@ def build_train_loader(dataset: Dataset, data_cfg, env: DistEnv, seed: int, pin_
     """
     samples = SeededSamples(dataset, seed)
     sampler = TrainSampler(samples, num_replicas=env.world_size, rank=env.rank, shuffle=True, seed=seed,
-                           shard_sizes=getattr(dataset, "shard_sizes", None), window=getattr(data_cfg, "shuffle_window", 0))
+                           shard_sizes=getattr(dataset, "shard_sizes", None), window=getattr(data_cfg, "shuffle_window", 0),
+                           prefetch=getattr(dataset, "prefetch", None))
     return WorkerSafeDataLoader(
         samples,
         batch_size=data_cfg.batch_size,

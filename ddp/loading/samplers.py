@@ -1,9 +1,10 @@
 """Samplers: shuffled training shards, continued from any sample of an epoch at any world size, and
 exact unpadded shards for evaluation. Pure functions of (size, world_size, rank), no process group."""
 
+import bisect
 import itertools
 import math
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 
 import torch
 from torch.utils.data import DistributedSampler, Sampler
@@ -36,23 +37,30 @@ def epoch_order(size: int, seed: int, epoch: int, shard_sizes: Sequence[int] | N
 
     window=0: DistributedSampler's own shuffle (a randperm seeded by seed + epoch), before it pads and
     deals it out to the ranks: the most random order, reading anywhere in the dataset at any time.
-    window=K, for samples stored in shards (`shard_sizes`: samples per shard, in index order): the shards
-    in a shuffled order, K at a time, the samples of those K shuffled together. Every rank takes every
-    world_size-th sample of it, so all ranks read within the same K shards (and the next K near a
-    boundary), at the cost of randomness: a batch mixes samples of K shards only. Larger K, more random.
+    window=K, for samples stored in shards (`shard_sizes`: samples per shard, in index order): the
+    windows of `epoch_windows` one after the other.
     """
     if not window or shard_sizes is None:
         sampler = DistributedSampler(range(size), num_replicas=1, rank=0, shuffle=True, seed=seed)
         sampler.set_epoch(epoch)
         return list(sampler)
+    return [index for _, samples in epoch_windows(seed, epoch, shard_sizes, window) for index in samples]
+
+
+def epoch_windows(seed: int, epoch: int, shard_sizes: Sequence[int], window: int) -> list[tuple[list[int], list[int]]]:
+    """(shards, their samples shuffled together) for each window of the epoch: the shards in a shuffled
+    order, `window` at a time. Every rank takes every world_size-th sample of the windows' samples, so
+    all ranks read within the same K shards (and the next K near a boundary), at the cost of
+    randomness: a batch mixes samples of K shards only. Larger K, more random."""
     generator = torch.Generator().manual_seed(seed + epoch)
     starts = [0, *itertools.accumulate(shard_sizes)][:-1]
     shards = torch.randperm(len(shard_sizes), generator=generator).tolist()
-    order = []
+    windows = []
     for first in range(0, len(shards), window):
-        indices = [index for shard in shards[first:first + window] for index in range(starts[shard], starts[shard] + shard_sizes[shard])]
-        order += [indices[i] for i in torch.randperm(len(indices), generator=generator).tolist()]
-    return order
+        group = shards[first:first + window]
+        indices = [index for shard in group for index in range(starts[shard], starts[shard] + shard_sizes[shard])]
+        windows.append((group, [indices[i] for i in torch.randperm(len(indices), generator=generator).tolist()]))
+    return windows
 
 
 def rest_of_epoch(order: Sequence[int], start: int, world_size: int, rank: int) -> list[int]:
@@ -87,13 +95,18 @@ def resume_point(samples_in_epoch: int, batch_size: int, world_size: int) -> tup
 class TrainSampler(DistributedSampler):
     """DistributedSampler(shuffle=True) whose epoch can begin `start` samples into the global order
     (`rest_of_epoch`), set with `set_epoch`, and whose order can go through a sharded dataset's shards
-    `window` at a time (`epoch_order`). With start=0 and window=0 it is DistributedSampler exactly."""
+    `window` at a time (`epoch_windows`). With start=0 and window=0 it is DistributedSampler exactly.
+
+    `prefetch(shard_numbers)`, where the dataset can fetch shards ahead (remote shards): called as this
+    rank's samples enter each window, with the next window's shards (and, first, the current one's too),
+    so that they download while the current window trains."""
 
     start = 0
 
-    def __init__(self, dataset, *, shard_sizes: Sequence[int] | None = None, window: int = 0, **kwargs):
+    def __init__(self, dataset, *, shard_sizes: Sequence[int] | None = None, window: int = 0,
+                 prefetch: Callable[[list[int]], None] | None = None, **kwargs):
         super().__init__(dataset, **kwargs)
-        self.shard_sizes, self.window = shard_sizes, window
+        self.shard_sizes, self.window, self.prefetch = shard_sizes, window, prefetch
 
     def set_epoch(self, epoch: int, start: int = 0) -> None:
         super().set_epoch(epoch)
@@ -102,8 +115,31 @@ class TrainSampler(DistributedSampler):
     def __iter__(self) -> Iterator[int]:
         if self.start == 0 and not self.window:
             return super().__iter__()
+        if not self.window or self.shard_sizes is None or self.prefetch is None:
+            return iter(self.indices())
+        windows = epoch_windows(self.seed, self.epoch, self.shard_sizes, self.window)
+        order = [index for _, samples in windows for index in samples]
+        return self._prefetching(rest_of_epoch(order, self.start, self.num_replicas, self.rank), windows)
+
+    def indices(self) -> list[int]:
+        """This rank's samples of the epoch, in order, as iterating yields them (without prefetching)."""
+        if self.start == 0 and not self.window:
+            return list(super().__iter__())
         order = epoch_order(len(self.dataset), self.seed, self.epoch, self.shard_sizes, self.window)
-        return iter(rest_of_epoch(order, self.start, self.num_replicas, self.rank))
+        return rest_of_epoch(order, self.start, self.num_replicas, self.rank)
+
+    def _prefetching(self, share: list[int], windows: list[tuple[list[int], list[int]]]) -> Iterator[int]:
+        ends = list(itertools.accumulate(len(samples) for _, samples in windows))
+        current = None
+        for position, index in enumerate(share):
+            # the sample's place in the epoch's order (the padding, past its end, reads the first window again)
+            place = min(self.start + position * self.num_replicas + self.rank, ends[-1] - 1)
+            window = bisect.bisect_right(ends, place)
+            if window != current:
+                ahead = windows[window + 1:window + 2] if current is not None else windows[window:window + 2]
+                self.prefetch([shard for shards, _ in ahead for shard in shards])
+                current = window
+            yield index
 
     def __len__(self) -> int:
         return math.ceil((len(self.dataset) - self.start) / self.num_replicas)
