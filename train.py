@@ -160,8 +160,8 @@ def train(ctx: RunContext, update: UpdateStep, train_loader, position: Position,
         updates = train_one_epoch(update, monitor.start_epoch(batches, position.global_step), epoch_batches, position, length,
                                   ctx.env.world_size, record_batch)
         for loss, global_samples, epoch_ends in updates:
-            monitor.after_update(update, loss, position.global_step, global_samples, epoch_ends)
-            if signum := stopper.stop_requested(position.global_step, epoch_ends):
+            agreed_stop = monitor.after_update(update, loss, position.global_step, global_samples, epoch_ends, stopper.received)
+            if signum := stopper.stop_requested(position.global_step, epoch_ends, agreed_stop):
                 checkpointer.save(position)
                 raise stopper.stopped(signum, position.global_step, position.epoch)
             # At an epoch's last step the save waits for validation, so a resume never repeats it.
@@ -197,7 +197,7 @@ def train_one_epoch(update: UpdateStep, batches, epoch_batches: int, position: P
     (an epoch's last may be shorter), yielding after each group's update: (its last micro-batch's loss, its samples
     over all ranks, whether the epoch ends). No batch past the run's last update is loaded. `record_batch`: fault aid."""
     update.model.train()
-    group_samples, first_batch = 0, None
+    group_samples, first_batch, loss_sum, sample_count = 0, None, position.epoch_totals[:1], position.epoch_totals[1:]  # views
     for batch_index, batch in batches:
         if record_batch is not None:
             record_batch(batch_index, position.global_step + 1)  # the update this batch counts toward
@@ -208,8 +208,8 @@ def train_one_epoch(update: UpdateStep, batches, epoch_batches: int, position: P
         group_size = min(aligned_start + length.accumulate, epoch_batches) - group_start
         loss = update.micro_step(batch, batch_index - group_start, group_size)
         position.batch_in_epoch, samples = batch_index + 1, batch_size(batch)
-        position.epoch_totals[0] += loss.double() * samples  # on the device: no host sync per step
-        position.epoch_totals[1] += samples
+        loss_sum.add_(loss, alpha=samples)  # in float64, on the device: no host sync per step
+        sample_count.add_(samples)
         group_samples += samples
         if position.batch_in_epoch - group_start < group_size:
             continue  # the update comes with the group's last micro-batch

@@ -5,6 +5,7 @@ index built on first use; an interrupted conversion is refused and written again
 `error:` line before anything starts; mode=eval on the shards is exact at 1 and 3 ranks."""
 
 import json
+import os
 import shutil
 import subprocess
 import sys
@@ -400,3 +401,46 @@ def test_an_elastic_resume_on_shards_trains_every_sample_once(trained, tmp_path,
     epoch = lambda records, number: sorted(i for r in records if r["epoch"] == number for i in r["ids"])  # noqa: E731
     assert len(before) == 4 and sorted(epoch(before, 0) + epoch(after, 0)) == list(range(64))
     assert epoch(after, 1) == list(range(64))
+
+
+def test_a_served_index_of_another_shard_is_one_line_and_a_process_keeps_few_shards_open(trained, tmp_path, monkeypatch):
+    """A served index that doesn't fit its shard (another shard's) is found when the shard is first
+    read: one line naming the index. And a reader keeps at most MAX_OPEN_SHARDS open (here 2 of 3),
+    reading every sample right as it reopens them."""
+    import data.webdataset as webdataset
+    from data.shard_cache import ShardCache
+    from data.vision import BadSample
+    from test_shard_cache import Server
+
+    served = tmp_path / "served"
+    shutil.copytree(trained["shards"], served)
+    shutil.copy(served / "train-000002.tar.idx.json", served / "train-000000.tar.idx.json")
+    server = Server(served)
+    try:
+        url = f"{server.url}/train-000000.tar"
+        cache = ShardCache(tmp_path / "cache")
+        reader = webdataset.ShardReader([url], [webdataset.shard_index(url, cache)], cache)
+        with pytest.raises(BadSample) as raised:
+            reader[0]
+    finally:
+        server.stop()
+    assert str(raised.value).startswith(f"{url}.idx.json: disagrees with its shard") and "\n" not in str(raised.value)
+
+    monkeypatch.setattr(webdataset, "MAX_OPEN_SHARDS", 2)
+    paths = [str(trained["shards"] / f"train-{number:06d}.tar") for number in range(3)]
+    reader = webdataset.ShardReader(paths, [webdataset.load_index(Path(path)) for path in paths])
+    expected = [reader[index][0] for index in range(len(reader))]
+    def open_shards() -> list[str]:  # this process's open files that are the shards
+        targets = []
+        for fd in os.listdir("/proc/self/fd"):
+            try:
+                targets.append(os.readlink(f"/proc/self/fd/{fd}"))
+            except OSError:  # the listing's own descriptor, closed meanwhile
+                pass
+        return [target for target in targets if target in paths]
+
+    for index in [0, 30, 60, 1, 31, 61, 2]:  # shards 0, 1, 2, 0, 1, 2, 0
+        assert reader[index][0] == expected[index]
+        assert len(open_shards()) <= 2, open_shards()
+    with tarfile.open(trained["shards"] / "train-000002.tar") as archive:
+        assert expected[60] == archive.extractfile("000000060.jpg").read()

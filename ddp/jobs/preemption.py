@@ -160,16 +160,20 @@ class StopOnSignal:
                 _log_briefly(f"submitit did not requeue the job: {error}")
         _exit_now(code)
 
-    def stop_requested(self, step: int, epoch_ends: bool) -> int:
+    def stop_requested(self, step: int, epoch_ends: bool, agreed: int | None = None) -> int:
         """The stop signal's number on every rank at the first check after any rank got one (all stop
-        at the same step), else 0."""
+        at the same step), else 0. `agreed`: the ranks' largest signal, where they have just agreed on
+        it (the monitor's collective at log steps and epoch ends), which saves a collective."""
         stop = self.received
         if self.distributed:
             if step % self.check_every_n_steps and not epoch_ends:
                 return 0
-            flag = torch.tensor([self.received], device=self.device)
-            dist.all_reduce(flag, op=dist.ReduceOp.MAX)
-            stop = int(flag.item())
+            if agreed is not None:
+                stop = agreed
+            else:
+                flag = torch.tensor([self.received], device=self.device)
+                dist.all_reduce(flag, op=dist.ReduceOp.MAX)
+                stop = int(flag.item())
         if stop:
             with self._at_boundary_lock:  # waits forever if the watchdog has given up: it is exiting
                 self._at_boundary = True

@@ -97,24 +97,34 @@ class RunMonitor:
         yield
         self.meter.resume()
 
-    def after_update(self, update, loss: torch.Tensor, step: int, global_samples: int, epoch_ends: bool) -> None:
-        """Everything after update `step` but the stop check and the saves."""
-        if step % self.log_every_n_steps == 0:
+    def after_update(self, update, loss: torch.Tensor, step: int, global_samples: int, epoch_ends: bool,
+                     stop_signal: int = 0) -> int | None:
+        """Everything after update `step` but the stop check and the saves. At log steps and an epoch's
+        end, where the loop waits anyway, the ranks agree in one all_gather on whether every loss was
+        finite (else Diverged), on this rank's `stop_signal` (the largest is returned, for the stop
+        check), and, at log steps, on each rank's data wait and compute; else None."""
+        log_step = step % self.log_every_n_steps == 0
+        if log_step:
             self._log_training(update, loss, step)
         self.progress.update(1)
         self.meter.step(global_samples)
         self.compute_timer.update_done()
         if step == self.fault_at_step:  # read once: a DictConfig attribute costs microseconds every step
             inject_fault(self.fault_cfg, self.env.rank, step)
-        if step % self.log_every_n_steps == 0 or epoch_ends:  # where the loop waits anyway
-            update.check_finite(step)
-        if step % self.log_every_n_steps == 0:
-            self._log_ranks(step)
-            self.writer.commit()
+        agreed_stop = None
+        if log_step or epoch_ends:
+            timings = [self.meter.window_data_wait(), self.compute_timer.window_per_update()] if log_step else [0.0, 0.0]
+            per_rank = gather_per_rank([float(update.finite.item()), float(stop_signal), *timings], self.device)
+            update.checked(step, all(rank[0] for rank in per_rank))
+            agreed_stop = int(max(rank[1] for rank in per_rank))
+            if log_step:
+                self._log_ranks(step, [rank[2:] for rank in per_rank])
+                self.writer.commit()
         if self.profiler is not None:
             self.profiler.step(step)
         if step == self.memory_snapshot_step:
             dump_memory_snapshot(self.run_dir, f"memory_rank{self.env.rank}_step{step}.pickle")
+        return agreed_stop
 
     def _log_training(self, update, loss: torch.Tensor, step: int) -> None:
         loss_value = loss.item()  # waits for the device, so the clock below counts the work done
@@ -130,9 +140,8 @@ class RunMonitor:
         self.writer.add_scalar("train/samples_per_s_per_rank", samples_per_s / self.env.world_size, step)
         self._logged_step, self._logged_at = step, now
 
-    def _log_ranks(self, step: int) -> None:
-        """Each rank's share of the window spent waiting for data, and its compute per update (one all_gather)."""
-        per_rank = gather_per_rank([self.meter.window_data_wait(), self.compute_timer.window_per_update()], self.device)
+    def _log_ranks(self, step: int, per_rank: list[list[float]]) -> None:
+        """Each rank's share of the window spent waiting for data, and its compute per update."""
         waits = [rank[0] for rank in per_rank]
         self.writer.add_scalar("perf/data_wait_fraction", sum(waits) / self.env.world_size, step)
         self.writer.add_scalar("perf/data_wait_fraction_max", max(waits), step)
