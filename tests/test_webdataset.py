@@ -428,19 +428,22 @@ def test_a_served_index_of_another_shard_is_one_line_and_a_process_keeps_few_sha
 
     monkeypatch.setattr(webdataset, "MAX_OPEN_SHARDS", 2)
     paths = [str(trained["shards"] / f"train-{number:06d}.tar") for number in range(3)]
+    expected = [data for reader in [webdataset.ShardReader(paths, [webdataset.load_index(Path(path)) for path in paths])]
+                for data, _ in (reader[index] for index in range(len(reader)))]
     reader = webdataset.ShardReader(paths, [webdataset.load_index(Path(path)) for path in paths])
-    expected = [reader[index][0] for index in range(len(reader))]
-    def open_shards() -> list[str]:  # this process's open files that are the shards
-        targets = []
+
+    def open_shards() -> set[tuple[str, str]]:  # this process's descriptors open on the shards
+        found = set()
         for fd in os.listdir("/proc/self/fd"):
             try:
-                targets.append(os.readlink(f"/proc/self/fd/{fd}"))
+                found.add((fd, os.readlink(f"/proc/self/fd/{fd}")))
             except OSError:  # the listing's own descriptor, closed meanwhile
                 pass
-        return [target for target in targets if target in paths]
+        return {(fd, target) for fd, target in found if target in paths}
 
+    others = open_shards()  # earlier readers' of this test process (other tests' runs in it)
     for index in [0, 30, 60, 1, 31, 61, 2]:  # shards 0, 1, 2, 0, 1, 2, 0
         assert reader[index][0] == expected[index]
-        assert len(open_shards()) <= 2, open_shards()
+        assert len(open_shards() - others) <= 2, open_shards() - others
     with tarfile.open(trained["shards"] / "train-000002.tar") as archive:
         assert expected[60] == archive.extractfile("000000060.jpg").read()
