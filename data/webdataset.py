@@ -144,13 +144,12 @@ def read_index(index_path: Path, name: str | None = None) -> dict:
     name = name or str(index_path)
     try:
         index = json.loads(index_path.read_text())
-        shard_bytes, samples = index["shard_bytes"], index["samples"]
-        index["format"], index["shard_mtime_ns"]  # noqa: B018 (present, checked by load_index)
+        index_format, shard_bytes, _, samples = (index[key] for key in ("format", "shard_bytes", "shard_mtime_ns", "samples"))
     except (ValueError, KeyError, TypeError) as error:
         raise ConfigError(f"{name}: not a readable shard index ({type(error).__name__}: {error}); "
                           "delete the index to rebuild it from the shard") from None
-    if index["format"] != INDEX_FORMAT or any(offset + size > shard_bytes for _, _, offset, size, _ in samples):
-        raise ConfigError(f"{name}: disagrees with its shard (format {index['format']}, or a sample beyond the shard's "
+    if index_format != INDEX_FORMAT or any(offset + size > shard_bytes for _, _, offset, size, _ in samples):
+        raise ConfigError(f"{name}: disagrees with its shard (format {index_format}, or a sample beyond the shard's "
                           f"{shard_bytes} bytes); delete the index to rebuild it from the shard")
     return index
 
@@ -223,13 +222,17 @@ class ShardReader:
         shard is read where it lies)."""
         urls = [self.shards[number] for number in shard_numbers if is_remote(self.shards[number])]
         if urls:
-            if self._prefetcher is None or self._pid != os.getpid():
-                self._prefetcher, self._pid = Prefetcher(self.cache), os.getpid()
+            self._in_this_process()
+            if self._prefetcher is None:
+                self._prefetcher = Prefetcher(self.cache)
             self._prefetcher(urls)
 
-    def _file(self, shard_number: int) -> int:
+    def _in_this_process(self) -> None:
         if self._pid != os.getpid():  # a forked child: its parent's descriptors and thread are the parent's
             self._files, self._prefetcher, self._pid = collections.OrderedDict(), None, os.getpid()
+
+    def _file(self, shard_number: int) -> int:
+        self._in_this_process()
         if shard_number in self._files:
             self._files.move_to_end(shard_number)
             return self._files[shard_number]
