@@ -155,7 +155,7 @@ def train(ctx: RunContext, update: UpdateStep, train_loader, position: Position,
         start_epoch(train_loader, position.epoch, position.samples_in_epoch(length.samples_per_batch, len(train_loader.dataset)))
         epoch_batches = min(position.batch_in_epoch + len(train_loader), length.batches_per_epoch)
         restore = functools.partial(checkpointer.restore_rank_state, rank_state) if rank_state else None
-        batches, rank_state = iterate_from(train_loader, position.batch_in_epoch, epoch_batches, on_resume=restore), None
+        batches, rank_state = iterate_from(train_loader, position.batch_in_epoch, epoch_batches, restore, update.device), None
         record_batch = house.recorder.start_epoch(train_loader.sampler, position.epoch, position.batch_in_epoch) if house.recorder else None
         updates = train_one_epoch(update, monitor.start_epoch(batches, position.global_step), epoch_batches, position, length,
                                   ctx.env.world_size, record_batch)

@@ -9,7 +9,8 @@ scikit-learn's two bundled photos; nothing is downloaded) with imagefolder's def
   loader with 1 and 2 workers, from the same JPEGs stored as ImageFolder files, local tar shards
   (`data=webdataset`), tar shards over HTTP through the node cache (cold, then warm) and Hugging Face
   Arrow (`data=hf`), against its limit: the same decode and transform of the same bytes already in
-  memory, in one process.
+  memory, in one process. Both stop where a worker stops, at uint8 images: the rank normalizes the
+  batch on its device (ddp/loading/batches.py).
 """
 
 import functools
@@ -135,12 +136,12 @@ def first_update_at(run_dir: Path, step: int) -> float:
 
 
 def input_pipeline(root: Path, settings: DataSettings, scratch: Path) -> dict[str, list[tuple[float, float]]]:
-    """{"<storage>, <n> worker(s)": [(its images/s, the limit's just before it), per repeat]}, each
+    """{"<storage>, <n> worker(s)": [(its images/s, the limit's around it), per repeat]}, each
     repeat's contenders interleaved. A loader's rate is its steady state: counted once each worker
     has delivered its first batch (a worker's start, once an epoch, is left out as the limit has
     none), to its last; each repeat reads a fresh epoch's order, `loader_images` images in all. The
-    limit, measured next to each contender (this machine's speed drifts), decodes the first third
-    of those images of the first repeat's epoch."""
+    limit, measured just before and just after each contender (this machine's speed drifts; their
+    mean), decodes the first third of those images of the first repeat's epoch."""
     from data.presets import imagefolder_transforms
     from data.encoded import decode_image
     from data.shards import convert
@@ -163,7 +164,8 @@ def input_pipeline(root: Path, settings: DataSettings, scratch: Path) -> dict[st
     if HF_DATASETS:
         hf_folder = write_hf(root, scratch / "hf")
         storages["hf Arrow"] = lambda cache: ("hf", {"path": str(hf_folder)})
-    transform = imagefolder_transforms(settings.pipeline_size, "standard", 0.0, "bilinear")[0]
+    transform, _, normalization = imagefolder_transforms(settings.pipeline_size, "standard", 0.0, "bilinear")
+    normalization.deferred = True  # the limit does a loader worker's work: images to uint8, normalized on the device
     files = sorted((root / "train").glob("*/*.jpg"))  # ImageFolder's order
     in_memory = [files[index].read_bytes() for index in epoch_order(len(files), seed=0, epoch=1)[:settings.loader_images // 3]]
 
@@ -189,7 +191,8 @@ def input_pipeline(root: Path, settings: DataSettings, scratch: Path) -> dict[st
         for repeat in range(settings.repeats):
             for storage, workers in PIPELINE[::1 if repeat % 2 else -1]:
                 before = limit()
-                found[pipeline_name(storage, workers)].append((loader_rate(storage, workers, epoch=repeat + 1), before))
+                rate = loader_rate(storage, workers, epoch=repeat + 1)
+                found[pipeline_name(storage, workers)].append((rate, (before + limit()) / 2))
     finally:
         server.shutdown()
     return found
@@ -279,10 +282,11 @@ def report(seeding: dict[str, list[float]], resumes: dict[str, list[float]], pip
     lines += ["", f"Input pipeline: the same JPEGs, the `standard` training preset at {settings.pipeline_size} px, "
               f"{settings.loader_images} images a measurement, from each worker's first batch on, tar shards of "
               f"{settings.samples_per_shard} with data.shuffle_window={SHARD_WINDOW}; the limit: their decode and transform "
-              "from bytes in memory, in one process, measured just before each contender, which is reported against it "
+              "to the uint8 images a worker hands over (the rank normalizes them on its device) from bytes in memory, in "
+              "one process, measured just before and just after each contender, which is reported against their mean "
               "(the median of the repeats' ratios).", "",
               "| input | images/s | / limit |", "|---|---|---|",
-              f"| limit: decode + transform in memory, one process | {cell(limits, 1)} | 1.000 |"]
+              f"| limit: decode + transform to uint8 in memory, one process | {cell(limits, 1)} | 1.000 |"]
     lines += [f"| {name} | {cell([rate for rate, _ in pairs], 1)} | {ratio[name]:.3f} |" for name, pairs in measured.items()]
     per_image_us = 1e6 * (1 / rate["files, 1 worker"] - 1 / rate["local shards, 1 worker"])
     lines += ["", f"A file per image instead of shards (files - local shards, 1 worker): {per_image_us:+.0f} us an image."]

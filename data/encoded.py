@@ -38,10 +38,13 @@ class EncodedImages(Dataset):
     which depends on the data alone: the same on every rank, epoch and resume. `skipped` flags each
     replaced index, in shared memory so that DataLoader workers' flags reach the rank. `decode` turns a
     sample's bytes into what the transform takes (a format storing tensors passes its own; it raises
-    ValueError for bytes it can't read)."""
+    ValueError for bytes it can't read). `image_normalization`: the transform's last step, which the
+    loaders' uint8 batches get on the device (ddp/loading/batches.py)."""
 
-    def __init__(self, reader, transform, num_classes: int, split: str, on_bad_sample: str, decode=decode_image):
+    def __init__(self, reader, transform, num_classes: int, split: str, on_bad_sample: str, decode=decode_image,
+                 image_normalization=None):
         self.reader, self.transform, self.num_classes, self.decode = reader, transform, num_classes, decode
+        self.image_normalization = image_normalization
         self.split, self.on_bad_sample = split, on_bad_sample
         self.skipped = torch.zeros(len(reader), dtype=torch.uint8).share_memory_()
 

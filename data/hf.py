@@ -75,10 +75,10 @@ def build_hf(path: str, image_size: int, augment: str | bool, random_erase: floa
     num_classes, class_names = _classes(splits, names, label_column)
     for role, split in splits.items():
         _check_labels(split, names[role], label_column, num_classes)
-    train_transform, eval_transform = imagefolder_transforms(image_size, augment, random_erase, interpolation, views)
+    train_transform, eval_transform, normalization = imagefolder_transforms(image_size, augment, random_erase, interpolation, views)
     transforms = {"train": train_transform, "val": eval_transform}
     images = {role: EncodedImages(ArrowImages(split, image_column, label_column, locations[role]), transforms[role],
-                                  num_classes, names[role], on_bad_sample)
+                                  num_classes, names[role], on_bad_sample, image_normalization=normalization)
               for role, split in splits.items()}
     return DataSplits(images["train"], images["val"], num_classes=num_classes, in_channels=3, class_names=class_names)
 

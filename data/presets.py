@@ -2,13 +2,20 @@
 (transforms.v2). Training augments (random crop and flip, an optional policy, random erasing);
 evaluation is deterministic. With data.views >= 2 the train transform gives a tuple of views, each
 its own draw of SimCLR's augmentation (data/views.py). Random draws come from torch's global RNG,
-seeded per sample by (seed, epoch, index) as the loader loads it (ddp/loading/sample_seeds.py)."""
+seeded per sample by (seed, epoch, index) as the loader loads it (ddp/loading/sample_seeds.py).
+
+Both end in the dataset's ImageNormalization (ddp/loading/batches.py), which the repo's loader workers
+leave to the device: their images travel as uint8. With random erasing, which erases normalized pixels,
+the train transform normalizes in the worker, as transforms.v2 does."""
+
+from typing import NamedTuple
 
 import torch
 from torchvision.transforms import v2
 
 from data.views import BLUR_SIGMA, Views, blur_kernel_size
 from ddp.config.schema import ConfigError
+from ddp.loading.batches import ImageNormalization
 
 # Per-channel mean and std of each dataset's training images, the one place they are stated.
 NORMALIZATION = {
@@ -25,9 +32,15 @@ INTERPOLATIONS = {
 EVAL_CROP_FRACTION = 0.875  # ImageNet convention: resize to crop / 0.875 (256 for 224), then centre-crop
 
 
+class Transforms(NamedTuple):
+    train: object
+    eval: object
+    normalization: ImageNormalization  # the datasets' image_normalization: the last step of both
+
+
 def imagefolder_transforms(image_size: int, augment: str | bool, random_erase: float, interpolation: str,
-                           views: int = 1):
-    """(train, eval): RandomResizedCrop + flip for training; Resize(image_size / 0.875) + CenterCrop to eval.
+                           views: int = 1) -> Transforms:
+    """(train, eval, normalization): RandomResizedCrop + flip for training; Resize(image_size / 0.875) + CenterCrop to eval.
     augment=none trains on the eval transform. views >= 2: a tuple of views, each SimCLR's augmentation."""
     mode = _interpolation(interpolation)
     augment = _augment(augment, views)
@@ -36,12 +49,13 @@ def imagefolder_transforms(image_size: int, augment: str | bool, random_erase: f
     train_geometry = [v2.RandomResizedCrop(image_size, interpolation=mode, antialias=True), v2.RandomHorizontalFlip()]
     if views > 1:
         train_geometry = _simclr_steps(train_geometry[0], image_size, colour_strength=1.0)
-    train = _train(train_geometry, eval_geometry, augment, random_erase, mode, v2.AutoAugmentPolicy.IMAGENET, "imagenet")
-    return _views(train, views), _compose(eval_geometry, "imagenet")
+    normalization = ImageNormalization(*NORMALIZATION["imagenet"])
+    train = _train(train_geometry, eval_geometry, augment, random_erase, mode, v2.AutoAugmentPolicy.IMAGENET, normalization)
+    return Transforms(_views(train, views), _compose(eval_geometry, normalization), normalization)
 
 
-def cifar10_transforms(augment: str | bool, random_erase: float, interpolation: str, views: int = 1):
-    """(train, eval): 4-pixel padded RandomCrop + flip for training; the 32 px images as they are to eval.
+def cifar10_transforms(augment: str | bool, random_erase: float, interpolation: str, views: int = 1) -> Transforms:
+    """(train, eval, normalization): 4-pixel padded RandomCrop + flip for training; the 32 px images as they are to eval.
     views >= 2: a tuple of views, each SimCLR's augmentation (its CIFAR-10 colour strength, 0.5)."""
     train_geometry = [v2.RandomCrop(32, padding=4), v2.RandomHorizontalFlip()]
     mode = _interpolation(interpolation)
@@ -49,8 +63,9 @@ def cifar10_transforms(augment: str | bool, random_erase: float, interpolation: 
     if views > 1:
         train_geometry = _simclr_steps(v2.RandomResizedCrop(32, interpolation=mode, antialias=True), 32,
                                        colour_strength=0.5)
-    train = _train(train_geometry, [], augment, random_erase, mode, v2.AutoAugmentPolicy.CIFAR10, "cifar10")
-    return _views(train, views), _compose([], "cifar10")
+    normalization = ImageNormalization(*NORMALIZATION["cifar10"])
+    train = _train(train_geometry, [], augment, random_erase, mode, v2.AutoAugmentPolicy.CIFAR10, normalization)
+    return Transforms(_views(train, views), _compose([], normalization), normalization)
 
 
 def _augment(augment: str | bool, views: int) -> str:
@@ -80,7 +95,8 @@ def _views(train: v2.Compose, views: int):
     return train if views == 1 else Views(train, views)
 
 
-def _train(geometry: list, eval_geometry: list, augment: str, random_erase: float, mode, policy, dataset: str) -> v2.Compose:
+def _train(geometry: list, eval_geometry: list, augment: str, random_erase: float, mode, policy,
+           normalization: ImageNormalization) -> v2.Compose:
     if augment not in AUGMENTS:
         raise ConfigError(f"data.augment={augment}: unknown, use one of {', '.join(AUGMENTS)}")
     if not 0 <= random_erase <= 1:
@@ -94,13 +110,14 @@ def _train(geometry: list, eval_geometry: list, augment: str, random_erase: floa
             "autoaugment": lambda: [v2.AutoAugment(policy, interpolation=mode)],
         }
         steps = [*geometry, *policies.get(augment, list)()]
-    erase = [v2.RandomErasing(p=random_erase)] if random_erase > 0 else []
-    return _compose(steps, dataset, after=erase)
+    if random_erase > 0:  # it erases normalized pixels (to 0, the mean): normalized in the worker, then erased
+        normalize = [v2.ToDtype(torch.float32, scale=True), v2.Normalize(normalization.mean, normalization.std)]
+        return v2.Compose([*steps, v2.PILToTensor(), *normalize, v2.RandomErasing(p=random_erase)])
+    return _compose(steps, normalization)
 
 
-def _compose(steps: list, dataset: str, after: list = ()) -> v2.Compose:
-    mean, std = NORMALIZATION[dataset]
-    return v2.Compose([*steps, v2.PILToTensor(), v2.ToDtype(torch.float32, scale=True), v2.Normalize(mean, std), *after])
+def _compose(steps: list, normalization: ImageNormalization) -> v2.Compose:
+    return v2.Compose([*steps, v2.PILToTensor(), normalization])
 
 
 def _interpolation(name: str):

@@ -69,7 +69,7 @@ def build_imagefolder(root: str, image_size: int, augment: str | bool, random_er
     for split in ("train", "val"):
         if not (Path(root) / split).is_dir():
             raise ConfigError(f"data.root={root}: no {split}/ folder; ImageFolder needs {root}/{split}/<class>/<image>")
-    train_transform, eval_transform = imagefolder_transforms(image_size, augment, random_erase, interpolation, views)
+    train_transform, eval_transform, normalization = imagefolder_transforms(image_size, augment, random_erase, interpolation, views)
     transforms = {"train": train_transform, "val": eval_transform, "test": eval_transform}
     folders = {}
     for split, transform in transforms.items():
@@ -79,6 +79,7 @@ def build_imagefolder(root: str, image_size: int, augment: str | bool, random_er
             folders[split] = CheckedImageFolder(str(Path(root) / split), transform, split, on_bad_sample)
         except FileNotFoundError as error:  # no class folders, or no images in them
             raise ConfigError(f"data.root={root}: {error}") from None
+        folders[split].image_normalization = normalization  # its loaders' uint8 batches, normalized on the device
         if folders[split].classes != folders["train"].classes:
             # Each ImageFolder numbers its own classes; different folders would silently mislabel.
             raise ConfigError(f"data.root={root}: train/ and {split}/ hold different class folders "
@@ -92,10 +93,11 @@ def build_cifar10(root: str, download: bool, augment: str | bool, random_erase: 
     """The 50,000 training images, and the 10,000 test images as both the val and the test split.
     views >= 2: each training sample is `((view_1, ..., view_n), label)` (data/views.py)."""
     check_views(views)
-    train_transform, eval_transform = cifar10_transforms(augment, random_erase, interpolation, views)
+    train_transform, eval_transform, normalization = cifar10_transforms(augment, random_erase, interpolation, views)
     try:
         train = datasets.CIFAR10(root, train=True, download=download, transform=train_transform)
         test = datasets.CIFAR10(root, train=False, download=download, transform=eval_transform)
     except RuntimeError as error:  # torchvision's "Dataset not found or corrupted"
         raise ConfigError(f"data.root={root}: CIFAR-10 not found ({error}); set data.download=true or copy it there") from None
+    train.image_normalization = test.image_normalization = normalization
     return DataSplits(train, test, num_classes=10, in_channels=3, test=test)

@@ -319,12 +319,13 @@ def build_webdataset(train_shards: str, val_shards: str, image_size: int, augmen
     if tensors:
         transforms = _tensor_transforms(augment, views)
         in_channels = load_tensor(readers["train"][0][0]).shape[0]
+        per_format = {"decode": load_tensor}
     else:
-        train_transform, eval_transform = imagefolder_transforms(image_size, augment, random_erase, interpolation, views)
+        train_transform, eval_transform, normalization = imagefolder_transforms(image_size, augment, random_erase, interpolation, views)
         transforms = {"train": train_transform, "val": eval_transform, "test": eval_transform}
         in_channels = 3
-    decode = {"decode": load_tensor} if tensors else {}
-    splits = {split: EncodedImages(reader, transforms[split], num_classes, split, on_bad_sample, **decode)
+        per_format = {"image_normalization": normalization}
+    splits = {split: EncodedImages(reader, transforms[split], num_classes, split, on_bad_sample, **per_format)
               for split, reader in readers.items()}
     return DataSplits(splits["train"], splits["val"], num_classes=num_classes, in_channels=in_channels,
                       test=splits.get("test"), class_names=class_names)

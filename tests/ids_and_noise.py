@@ -25,3 +25,17 @@ class IdsAndNoise(Dataset):
         self.loads[index] += 1
         return index, torch.stack([torch.rand((), dtype=torch.float64), torch.tensor(random.random()),
                                    torch.tensor(np.random.rand())])
+
+
+class LargeViews(Dataset):
+    """Sample i is ((two views of 3x320x320 uint8, the values a function of i), i, a dict with one more
+    view): a batch of 4 holds tensors of 1.2 MB, above the size that loader workers stack into shared
+    memory made ready ahead (ddp/loading/collate.py)."""
+
+    def __len__(self) -> int:
+        return 10
+
+    def __getitem__(self, index):
+        generator = torch.Generator().manual_seed(index)
+        views = [torch.randint(0, 256, (3, 320, 320), dtype=torch.uint8, generator=generator) for _ in range(3)]
+        return (views[0], views[1]), index, {"image": views[2]}

@@ -11,7 +11,8 @@ from torch import nn
 from torch.utils.data import DistributedSampler, TensorDataset
 
 from ddp.distributed.env import DistEnv
-from ids_and_noise import IdsAndNoise
+from conftest import write_imagefolder
+from ids_and_noise import IdsAndNoise, LargeViews
 from ddp.checkpoints.resume import capture_rank_state, checkpoint_state, resume_position
 from ddp.loading.loaders import build_train_loader, build_val_loader, iterate_from, start_epoch
 from ddp.loading.samplers import epoch_order, rest_of_epoch, resume_point, shard_indices
@@ -359,3 +360,57 @@ def test_an_epoch_with_a_window_continued_at_another_world_size_trains_each_samp
         after += [int(i) for ids, _ in loader for i in ids]
     counts = Counter(before + after)
     assert sorted(counts) == list(range(50)) and sum(counts.values()) - 50 == -(50 - 16) % 3
+
+
+# --- images leave the workers as uint8 ------------------------------------------------------------------
+
+@pytest.mark.parametrize("random_erase", [0.0, 0.5])
+def test_worker_batches_of_images_are_uint8_and_normalize_on_the_device_to_the_in_process_bits(tmp_path, random_erase):
+    """With workers, a preset's training and validation images cross shared memory as uint8 (a quarter
+    of float32's bytes) and to_device normalizes them with the dataset's normalization: the very bits the
+    same samples have when loaded in the process. With random erasing, which erases normalized pixels,
+    training images are normalized in the worker."""
+    from data.vision import build_imagefolder
+    from ddp.loading.batches import to_device
+
+    root = write_imagefolder(tmp_path / "images", per_class=5, size=(40, 30))
+    splits = build_imagefolder(str(root), image_size=16, augment="standard", random_erase=random_erase, interpolation="bilinear")
+
+    def batches(workers: int, split: str) -> list:
+        data_cfg = SimpleNamespace(batch_size=4, num_workers=workers)
+        if split == "train":
+            loader = build_train_loader(splits.train, data_cfg, DistEnv(), 0, False)
+            start_epoch(loader, EPOCH)
+        else:
+            loader = build_val_loader(splits.val, data_cfg, DistEnv(), False)
+        return [(images.dtype, to_device(images, torch.device("cpu"), normalization=loader.dataset.image_normalization))
+                for images, _ in loader]
+
+    for split, travels_as in (("train", torch.float32 if random_erase else torch.uint8), ("val", torch.uint8)):
+        in_process, from_workers = batches(0, split), batches(2, split)
+        assert {dtype for dtype, _ in in_process} == {torch.float32}
+        assert {dtype for dtype, _ in from_workers} == {travels_as}, split
+        assert len(in_process) == len(from_workers) == 3
+        for (_, expected), (_, normalized) in zip(in_process, from_workers):
+            assert normalized.dtype == torch.float32 and torch.equal(normalized, expected), split
+
+
+def test_workers_stack_large_tensors_into_ready_shared_memory_as_default_collate_does():
+    """Workers stack each large tensor of a batch into shared memory that a thread made ready while the
+    batch loaded: the batches, nested views and dicts included and the last one shorter, are
+    default_collate's, in every epoch."""
+    from torch.utils.data import default_collate
+
+    dataset = LargeViews()
+    for epoch in (EPOCH, EPOCH + 1):
+        expected = []
+        for workers in (0, 2):
+            loader = build_train_loader(dataset, SimpleNamespace(batch_size=4, num_workers=workers), DistEnv(), 0, False)
+            start_epoch(loader, epoch)
+            batches = list(loader)
+            if workers == 0:
+                expected = [default_collate([dataset[int(i)] for i in ids]) for _, ids, _ in batches]
+            assert [len(ids) for _, ids, _ in batches] == [4, 4, 2]
+            for ((first, second), ids, extra), ((first_e, second_e), ids_e, extra_e) in zip(batches, expected):
+                assert torch.equal(ids, ids_e) and torch.equal(first, first_e) and torch.equal(second, second_e)
+                assert torch.equal(extra["image"], extra_e["image"])

@@ -194,9 +194,9 @@ def test_every_preset_gives_normalised_crops_of_the_configured_size(augment):
     for name, (transforms, size, (mean, std)) in presets.items():
         source, noisy = (image, noise) if name == "imagefolder" else (image.resize((32, 32)), noise.resize((32, 32)))
         expected = ((torch.tensor(colour) / 255 - torch.tensor(mean)) / torch.tensor(std)).view(3, 1, 1).expand(3, size, size)
-        train, evaluate = transforms(0.25)
+        train, evaluate, _ = transforms(0.25)
         assert train(source).shape == (3, size, size) and train(source).dtype == torch.float32
-        train, evaluate = transforms(0.0)
+        train, evaluate, _ = transforms(0.0)
         assert torch.allclose(evaluate(source), expected, atol=1e-5), name
         if augment == "none":
             assert torch.equal(train(noisy), evaluate(noisy)), name
@@ -204,7 +204,7 @@ def test_every_preset_gives_normalised_crops_of_the_configured_size(augment):
 
 def test_eval_resizes_to_crop_over_0_875_then_centre_crops():
     """The ImageNet convention: a 224 crop comes from the image resized to 256 on its short side."""
-    _, evaluate = imagefolder_transforms(224, "standard", random_erase=0.0, interpolation="bilinear")
+    _, evaluate, _ = imagefolder_transforms(224, "standard", random_erase=0.0, interpolation="bilinear")
     resize, crop = evaluate.transforms[:2]
     assert (list(resize.size), list(crop.size)) == ([256], [224, 224])
 

@@ -15,16 +15,53 @@ from ddp.config.schema import ConfigError
 IMAGE_KEY, LABEL_KEY = "image", "label"
 
 
-def to_device(batch: Any, device: torch.device, memory_format: torch.memory_format = torch.preserve_format) -> Any:
-    """`batch` on `device`, same nesting; its image tensors (4-D floating point) in `memory_format`."""
+class ImageNormalization:
+    """A dataset's per-channel mean and std, and the transform's last step that applies them: a uint8
+    image (C, H, W), or a batch of them, to float32 in [0, 1], then (x - mean) / std, the very operations
+    of transforms.v2's ToDtype(scale=True) and Normalize. An element's value doesn't depend on where or
+    in what batch it is computed, so applying it per image or per batch on the device gives the same bits.
+
+    In the repo's loader workers it is `deferred` (ddp/loading/loader_workers.py): images leave the
+    workers as uint8, a quarter of float32's bytes through shared memory, and `to_device` normalizes
+    the batch on the device. Everywhere else (data.num_workers=0, a dataset indexed directly, a user's
+    own DataLoader) the transform's images are float32, as before."""
+
+    def __init__(self, mean: tuple[float, ...], std: tuple[float, ...]):
+        self.mean, self.std, self.deferred = tuple(mean), tuple(std), False
+        self._constants: dict[torch.device, tuple[torch.Tensor, torch.Tensor]] = {}  # on each device, made once
+
+    def __call__(self, image: torch.Tensor) -> torch.Tensor:
+        return image if self.deferred else self.apply(image)
+
+    def apply(self, images: torch.Tensor) -> torch.Tensor:
+        if images.device not in self._constants:
+            self._constants[images.device] = tuple(torch.tensor(values, dtype=torch.float32, device=images.device).view(-1, 1, 1)
+                                                   for values in (self.mean, self.std))
+        mean, std = self._constants[images.device]
+        return images.to(torch.float32).mul_(1.0 / 255).sub_(mean).div_(std)
+
+    def __getstate__(self) -> dict:  # to a loader worker: no device's tensors
+        return {"mean": self.mean, "std": self.std, "deferred": self.deferred, "_constants": {}}
+
+    def __repr__(self) -> str:
+        return f"ImageNormalization(mean={self.mean}, std={self.std})"
+
+
+def to_device(batch: Any, device: torch.device, memory_format: torch.memory_format = torch.preserve_format,
+              normalization: ImageNormalization | None = None) -> Any:
+    """`batch` on `device`, same nesting; its image tensors (4-D floating point) in `memory_format`.
+    With the dataset's `normalization`, 4-D uint8 tensors are images a loader worker left to it: moved
+    as uint8, then normalized on the device."""
     if isinstance(batch, torch.Tensor):
+        if batch.dim() == 4 and batch.dtype == torch.uint8 and normalization is not None:
+            return normalization.apply(batch.to(device, non_blocking=True)).to(memory_format=memory_format)
         if batch.dim() == 4 and batch.is_floating_point():
             return batch.to(device, non_blocking=True, memory_format=memory_format)
         return batch.to(device, non_blocking=True)
     if isinstance(batch, (tuple, list)):
-        return type(batch)(to_device(item, device, memory_format) for item in batch)
+        return type(batch)(to_device(item, device, memory_format, normalization) for item in batch)
     if isinstance(batch, dict):
-        return {key: to_device(value, device, memory_format) for key, value in batch.items()}
+        return {key: to_device(value, device, memory_format, normalization) for key, value in batch.items()}
     return batch
 
 

@@ -15,7 +15,7 @@ import weakref
 from collections.abc import Iterator
 from pathlib import Path
 
-from torch.utils.data import DataLoader, Dataset
+from torch.utils.data import DataLoader, Dataset, get_worker_info
 
 
 # Workers are forked by a fork server, a single-threaded process that the rank starts once, never by
@@ -76,6 +76,9 @@ def start_fork_server(preload: list[str]):
 
 
 def _init_worker(worker_id: int, rank_pid: int) -> None:
+    normalization = getattr(get_worker_info().dataset, "image_normalization", None)
+    if normalization is not None:  # images leave as uint8, and the rank normalizes them on the device (to_device)
+        normalization.deferred = True
     if not _POSIX:
         return
     os.setpgid(0, 0)
@@ -97,7 +100,9 @@ def _exit_with(rank_pid: int) -> None:
 
 class WorkerSafeDataLoader(DataLoader):
     """A DataLoader whose workers come from the fork server, outlive a SIGTERM or SIGINT to the
-    rank's process group, and end with the rank (see above)."""
+    rank's process group, and end with the rank (see above). A dataset's images whose transform ends
+    in its `image_normalization` come out of the workers as uint8: move batches with that
+    normalization (ddp/loading/batches.py's to_device)."""
 
     def __init__(self, dataset: Dataset, num_workers: int, **kwargs):
         super().__init__(dataset, num_workers=num_workers, multiprocessing_context=start_worker_server(dataset, num_workers),

@@ -9,6 +9,8 @@ import torch
 from torch.utils.data import DataLoader, Dataset
 
 from ddp.distributed.env import DistEnv
+from ddp.loading.batches import to_device
+from ddp.loading.collate import collate
 from ddp.loading.loader_workers import WorkerSafeDataLoader
 from ddp.loading.sample_seeds import SeededSamples
 from ddp.loading.samplers import ShardSampler, TrainSampler
@@ -31,7 +33,7 @@ def build_train_loader(dataset: Dataset, data_cfg, env: DistEnv, seed: int, pin_
         sampler=sampler,
         num_workers=data_cfg.num_workers,
         pin_memory=pin_memory,
-        collate_fn=samples.collate_fn,  # None: torch's default_collate (data/__init__.py)
+        collate_fn=samples.collate_fn or collate,  # a dataset's own (data/__init__.py), else torch's default_collate's batches
         # Its own generator, so that starting workers never draws from the global RNG (see docs/fault-tolerance.md).
         generator=torch.Generator(),
     )
@@ -47,7 +49,7 @@ def build_val_loader(dataset: Dataset, data_cfg, env: DistEnv, pin_memory: bool)
         sampler=ShardSampler(len(dataset), env.world_size, env.rank),
         num_workers=data_cfg.num_workers,
         pin_memory=pin_memory,
-        collate_fn=dataset.collate_fn,
+        collate_fn=dataset.collate_fn or collate,
         persistent_workers=data_cfg.num_workers > 0,
         generator=torch.Generator(),
     )
@@ -60,14 +62,19 @@ def start_epoch(loader: DataLoader, epoch: int, start: int = 0) -> None:
 
 
 def iterate_from(loader: DataLoader, start_batch: int, stop_batch: int | None = None,
-                 on_resume: Callable[[], None] | None = None) -> Iterator:
+                 on_resume: Callable[[], None] | None = None, device: torch.device | None = None) -> Iterator:
     """(batch_index, batch) pairs of an epoch whose loader starts at its `start_batch`-th batch
     (`start_epoch`'s start), numbered from there, up to `stop_batch` (the epoch's end by default).
     Nothing before the start is loaded: a sample's draws don't depend on what was loaded before it.
     `on_resume` runs just before the first batch is loaded (when to restore the RNG state); nothing
-    past `stop_batch` is loaded.
+    past `stop_batch` is loaded. With `device`, a batch whose images the workers handed over as uint8
+    (a dataset with an image_normalization) comes on the device, normalized (to_device).
     """
     stop = start_batch + len(loader) if stop_batch is None else stop_batch
     if on_resume is not None:
         on_resume()
-    yield from zip(range(start_batch, stop), itertools.islice(loader, max(stop - start_batch, 0)))
+    batches = itertools.islice(loader, max(stop - start_batch, 0))
+    normalization = getattr(loader.dataset, "image_normalization", None)
+    if device is not None and normalization is not None:
+        batches = (to_device(batch, device, normalization=normalization) for batch in batches)
+    yield from zip(range(start_batch, stop), batches)

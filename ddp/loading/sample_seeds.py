@@ -42,6 +42,7 @@ class SeededSamples(Dataset):
     def __init__(self, dataset: Dataset, seed: int, epoch: int = VALIDATION_EPOCH):
         self.dataset, self.seed, self.epoch = dataset, seed, epoch
         self.collate_fn = getattr(dataset, "collate_fn", None)  # the loaders' and one_sample_batch's
+        self.image_normalization = getattr(dataset, "image_normalization", None)  # the loaders' workers' and to_device's
         self.draws = not isinstance(dataset, TensorDataset)
 
     def __len__(self) -> int:

@@ -22,7 +22,7 @@ def evaluate(model: nn.Module, loader, device: torch.device, limit_batches: int,
     for batch_index, batch in enumerate(loader):
         if batch_index == limit_batches:
             break
-        batch_sums = task.eval_step(model, to_device(batch, device))
+        batch_sums = task.eval_step(model, to_device(batch, device, normalization=getattr(loader.dataset, "image_normalization", None)))
         sums = batch_sums if sums is None else sums.add_(batch_sums)
         forwards += 1
     if sums is None or is_sharded(model):

@@ -305,6 +305,45 @@ def check_peak_memory_resets_between_multirun_jobs(scratch: Path) -> str:
     return f"resnet18 batch 256: {big['peak_memory_mb']:.0f} MiB, then batch 8 in the same process: {small['peak_memory_mb']:.0f} MiB"
 
 
+def check_jpeg_batches_cross_as_uint8_and_normalize_on_the_gpu(scratch: Path) -> str:
+    """data=imagefolder with 2 loader workers on cuda:0: images leave the workers as uint8, move through
+    pinned memory and are normalized on the GPU (ddp/loading/batches.py's to_device), into channels_last
+    convolutions; the normalized bits are the CPU transform's."""
+    sys.path.insert(0, str(REPO))
+    import numpy as np
+    from PIL import Image
+
+    from data.presets import NORMALIZATION
+    from ddp.loading.batches import ImageNormalization, to_device
+
+    normalization = ImageNormalization(*NORMALIZATION["imagenet"])
+    images = torch.randint(0, 256, (32, 3, 224, 224), dtype=torch.uint8).pin_memory()
+    on_gpu = to_device(images, torch.device("cuda:0"), torch.channels_last, normalization)
+    on_cpu = normalization.apply(images)
+    assert on_gpu.device.type == "cuda" and on_gpu.dtype == torch.float32, (on_gpu.device, on_gpu.dtype)
+    assert on_gpu.is_contiguous(memory_format=torch.channels_last), "not channels_last"
+    worst = (on_gpu.cpu() - on_cpu).abs().max().item()
+    assert worst <= 1e-6, worst
+    root = scratch / "jpegs"
+    rng = np.random.default_rng(0)
+    for split, count in (("train", 48), ("val", 16)):
+        for label, colour in enumerate(((200, 40, 40), (40, 40, 200))):
+            (root / split / str(label)).mkdir(parents=True)
+            for i in range(count):
+                pixels = np.clip(np.array(colour) + rng.integers(-40, 40, (60, 80, 3)), 0, 255).astype(np.uint8)
+                Image.fromarray(pixels).save(root / split / str(label) / f"{i}.jpg", quality=90)
+    cwd = scratch / "jpeg-training"
+    watch = watched(["strategy=single", "data=imagefolder", f"data.root={root}", "data.image_size=32", "data.batch_size=16",
+                     "data.num_workers=2", "model.channels=[16,32]", "optim=adam", "optim.lr=0.01", "trainer.max_epochs=3",
+                     "channels_last=true"], cwd, env={"WATCH_CONVS": "1"})
+    found = results(cwd)
+    assert watch["convs"] == [{"device": "cuda:0", "channels_last": True, "output_dtype": "float32"}], watch["convs"]
+    assert found["val_accuracy"] > 0.9, found
+    bits = "the CPU's bits" if torch.equal(on_gpu.cpu(), on_cpu) else f"within {worst:g} of the CPU's"
+    return (f"a uint8 batch normalized on cuda:0: {bits}; "
+            f"JPEGs through 2 workers: val_accuracy={found['val_accuracy']:.4f}, channels_last float32 convolutions on cuda:0")
+
+
 def check_resnet18_throughput(scratch: Path) -> str:
     cwd = scratch / "throughput"
     launch(["strategy=single", "model=resnet18", "data=synthetic", "data.image_size=32", "data.num_samples=25600",
@@ -399,6 +438,7 @@ CHECKS = [
     check_distillation_teacher_on_cuda_single_and_fsdp,
     check_simclr_gathers_negatives_on_cuda,
     check_profiler_traces_cuda_kernels_and_snapshots_memory,
+    check_jpeg_batches_cross_as_uint8_and_normalize_on_the_gpu,
     check_resnet18_throughput,
 ]
 
