@@ -9,7 +9,8 @@
 - Bounded: with `data.cache_limit_gb`, the least recently used shards are removed before a download
   would exceed it (a shard in use stays readable: an open file outlives its removal).
 - A server that doesn't answer: bounded retries with backoff, then one line naming the URL. The run
-  stops there with its checkpoints intact, and `resume=auto` continues once the server is back.
+  stops there with its checkpoints intact, and the line ends with the command that continues it once
+  the server is back (ddp/jobs/failures.py).
 - Ahead of time: `Prefetcher` downloads the shards the sampler names next (data.shuffle_window's next
   window) on a thread of the process, so the reads find them in the cache.
 """
@@ -41,6 +42,8 @@ def is_remote(location: str) -> bool:
 
 class ShardUnavailable(BadSample):
     """A remote shard that couldn't be fetched: one line naming its URL."""
+
+    continues_once_fixed = True  # the run's failure line adds the command that continues it (ddp/jobs/failures.py)
 
 
 class ShardCache:
@@ -112,8 +115,7 @@ class ShardCache:
                 reason = f"HTTP {error.code} {error.reason}"
             except (urllib.error.URLError, TimeoutError, ConnectionError, OSError, http.client.HTTPException) as error:
                 reason = " ".join(str(getattr(error, "reason", error)).split()) or type(error).__name__
-        raise ShardUnavailable(f"{url}: unreachable after {self.retries} tries ({reason}); check that the server serves it, "
-                               "then continue the run with resume=auto")
+        raise ShardUnavailable(f"{url}: unreachable after {self.retries} tries ({reason}); check that the server serves it")
 
     def _make_room(self, incoming: int, keep: Path) -> None:
         """Remove the least recently used shards (with the files kept beside them, an index) until

@@ -6,6 +6,7 @@ index built on first use; an interrupted conversion is refused and written again
 
 import json
 import os
+import shlex
 import shutil
 import subprocess
 import sys
@@ -275,7 +276,8 @@ def test_shards_served_over_http_train_as_the_local_ones_and_a_gone_server_is_on
     result = launch([*http, f"data.cache_dir={tmp_path / 'cold'}", *SMALL], tmp_path / "gone")
     line = one_error_line(result, tmp_path / "gone")
     # the first file a start asks for: the folder's dataset.json (or its interrupted conversion's)
-    assert line.startswith(f"error: {server.url}/dataset.partial.json: unreachable after 3 tries") and "resume=auto" in line, line
+    assert line.startswith(f"error: {server.url}/dataset.partial.json: unreachable after 3 tries"), line
+    assert line.endswith("check that the server serves it, then run it again (no checkpoint of this run was saved yet)"), line
 
 
 def test_the_next_windows_shards_download_in_the_background_and_no_read_leaves_the_window(trained, tmp_path):
@@ -319,9 +321,10 @@ def test_the_next_windows_shards_download_in_the_background_and_no_read_leaves_t
 def test_http_shards_killed_then_cut_off_resume_from_a_cold_cache_bit_identically(trained, tmp_path, monkeypatch):
     """HTTP shards, data.shuffle_window=1, 2 loader workers, 2 epochs of 4 updates: killed at update 6
     (the checkpoint of update 5 saved); resumed with an empty cache, the server stops when asked for
-    a shard mid-epoch: one line naming the URL, exit 1, the checkpoint untouched; the server back,
-    resumed again with another empty cache: the uninterrupted run's weights, optimizer and RNG states,
-    bit for bit (the uninterrupted run on the local shards: the same bytes, tested above)."""
+    a shard mid-epoch: one line naming the URL and ending with the command that continues the run, exit
+    1, the checkpoint untouched; the server back, that command with another empty cache: the
+    uninterrupted run's weights, optimizer and RNG states, bit for bit (the uninterrupted run on the
+    local shards: the same bytes, tested above)."""
     from test_fault_tolerance import assert_bit_identical, last_checkpoint
     from test_shard_cache import Server
 
@@ -352,11 +355,14 @@ def test_http_shards_killed_then_cut_off_resume_from_a_cold_cache_bit_identicall
     server.stop()
     line = one_error_line_of(cut_off)
     assert line.startswith(f"error: {server.url}/train-{last_shard:06d}.tar: unreachable after 3 tries"), line
-    assert "resume=auto" in line and {path: path.read_bytes() for path in (run_dir / "checkpoints").iterdir()} == saved
+    assert {path: path.read_bytes() for path in (run_dir / "checkpoints").iterdir()} == saved
+    continue_with = shlex.split(line.split("then continue with  ", 1)[1])  # python <train.py> <overrides> resume=<run dir>
+    assert continue_with[-1] == f"resume={run_dir.relative_to(tmp_path / 'runs')}" and "data.cache_dir=cache_b" in continue_with
 
     server = Server(shards, port=server.port)
     try:
-        check(launch([*http, "data.cache_dir=cache_c", "resume=auto", f"hydra.run.dir={run_dir}"], tmp_path / "runs"))
+        # the printed command, with another empty cache
+        check(launch([arg.replace("cache_b", "cache_c") for arg in continue_with[2:]], tmp_path / "runs"))
     finally:
         server.stop()
     assert len(run_dirs(tmp_path / "runs")) == 1

@@ -64,6 +64,8 @@ def end_failed_job(error: BaseException, hydra_cfg, cfg, env: DistEnv) -> BaseEx
         sys.exit(130)
     if isinstance(error, DiskFull):
         error = DiskFull(f"{error}: free some space, then {_how_to_continue(hydra_cfg, env)}")
+    if getattr(error, "continues_once_fixed", False):  # e.g. a shard server back (data/shard_cache.py)
+        error = type(error)(f"{error}, then {_how_to_continue(hydra_cfg, env)}")
     if isinstance(error, (ConfigError, Diverged, DiskFull, OutOfMemory)):
         # without the frames that hold it, the run's DataLoader shuts its workers down now, before the line
         drop_traceback(error)
