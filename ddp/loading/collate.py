@@ -60,9 +60,10 @@ _segments: ReadySegments | None = None  # this worker's, made at its first batch
 def _collate_tensors(batch: list[torch.Tensor], *, collate_fn_map=None) -> torch.Tensor:
     global _segments
     elem = batch[0]
-    nbytes = sum(tensor.numel() for tensor in batch) * elem.element_size()
-    if (get_worker_info() is None or nbytes < READY_BYTES or nbytes != len(batch) * elem.nbytes
-            or type(elem) is not torch.Tensor or elem.is_nested):  # torch's own collate says what's wrong
+    if get_worker_info() is None or type(elem) is not torch.Tensor or elem.is_nested or elem.device.type != "cpu":
+        return collate_tensor_fn(batch, collate_fn_map=collate_fn_map)
+    nbytes = sum(tensor.nbytes for tensor in batch)
+    if nbytes < READY_BYTES or nbytes != len(batch) * elem.nbytes:  # small, or sizes that torch's stack refuses in its words
         return collate_tensor_fn(batch, collate_fn_map=collate_fn_map)
     if _segments is None:
         _segments = ReadySegments()
