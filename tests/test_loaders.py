@@ -15,7 +15,7 @@ from conftest import write_imagefolder
 from ids_and_noise import IdsAndNoise, LargeViews
 from ddp.checkpoints.resume import capture_rank_state, checkpoint_state, resume_position
 from ddp.loading.loaders import build_train_loader, build_val_loader, iterate_from, start_epoch
-from ddp.loading.samplers import epoch_order, rest_of_epoch, resume_point, shard_indices
+from ddp.loading.samplers import TrainSampler, epoch_order, epoch_windows, rest_of_epoch, resume_point, shard_indices
 from ddp.training.progress import Position
 from ddp.training.update import UpdateStep
 from tasks.classification import ClassificationTask
@@ -342,6 +342,29 @@ def test_with_a_window_every_rank_reads_within_the_current_shards_and_the_order_
             if world_size == 2:
                 (one,) = ranks_batches(1) if step == 0 else (one,)
                 assert sorted(per_rank[0][step] + per_rank[1][step]) == sorted(sum(one[2 * step:2 * step + 2], [])), step
+
+
+@pytest.mark.parametrize("start", [0, 46], ids=["from_the_start", "resumed_in_the_last_window"])
+def test_each_window_entered_prefetches_the_next_and_the_last_the_next_epochs_first(start):
+    """data.shuffle_window=2 on 7 shards, rank 1 of 2: as the rank's samples enter a window, prefetch
+    names the next window's shards before the rank reads any sample of the window entered (the first
+    call, the current window's too); the last window's call names the next epoch's first window, so a
+    new epoch never starts by waiting for its shards. A resume inside the last window does the same."""
+    calls, order = [], []
+    sampler = TrainSampler(range(50), num_replicas=2, rank=1, seed=0, shard_sizes=SHARD_SIZES, window=2,
+                           prefetch=lambda shards: calls.append((len(order), shards)))
+    sampler.set_epoch(EPOCH, start)
+    order.extend(sampler)  # len(order) when called: how many of the rank's samples came before the call
+    windows = [shards for shards, _ in epoch_windows(0, EPOCH, SHARD_SIZES, window=2)]
+    next_epochs_first = epoch_windows(0, EPOCH + 1, SHARD_SIZES, window=2)[0][0]
+    entered = [next(number for number, shards in enumerate(windows) if shard_of(index) in shards) for index in order]
+    firsts = [position for position in range(len(order)) if position == 0 or entered[position] != entered[position - 1]]
+    assert [position for position, _ in calls] == firsts
+    for (_, shards), position in zip(calls, firsts):
+        window = entered[position]
+        expected = (windows[window] if position == 0 else []) + sum(windows[window + 1:window + 2], [])
+        assert shards == expected + (next_epochs_first if window == len(windows) - 1 else []), (window, shards)
+    assert entered[-1] == len(windows) - 1
 
 
 def test_an_epoch_with_a_window_continued_at_another_world_size_trains_each_sample_once():

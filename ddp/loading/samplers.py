@@ -99,7 +99,8 @@ class TrainSampler(DistributedSampler):
 
     `prefetch(shard_numbers)`, where the dataset can fetch shards ahead (remote shards): called as this
     rank's samples enter each window, with the next window's shards (and, first, the current one's too),
-    so that they download while the current window trains."""
+    so that they download while the current window trains; the last window's call names the next
+    epoch's first window, so that the next epoch doesn't start by waiting for it."""
 
     start = 0
 
@@ -137,6 +138,8 @@ class TrainSampler(DistributedSampler):
             window = bisect.bisect_right(ends, place)
             if window != current:
                 ahead = windows[window + 1:window + 2] if current is not None else windows[window:window + 2]
+                if window == len(windows) - 1:
+                    ahead = ahead + epoch_windows(self.seed, self.epoch + 1, self.shard_sizes, self.window)[:1]
                 self.prefetch([shard for shards, _ in ahead for shard in shards])
                 current = window
             yield index
