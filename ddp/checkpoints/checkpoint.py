@@ -29,6 +29,8 @@ class DiskFull(Exception):
     """A save that found no space left on its device. What was saved before is intact: the run can
     continue from it once there is space."""
 
+    continues_once_fixed = True  # the run's failure line adds the command that continues it (ddp/jobs/failures.py)
+
 
 def checkpoint_dir(run_dir: Path) -> Path:
     return run_dir / "checkpoints"
@@ -69,7 +71,7 @@ def disk_full(path: Path, written_mb: float) -> DiskFull:
     `written_mb`, whose partial files are removed: the free space it names is what a next save would find."""
     free_mb = shutil.disk_usage(path.parent).free / 2**20
     return DiskFull(f"saving {path} failed: no space left on device ({path.parent} has {free_mb:.1f} MB free, and "
-                    f"the save needs more than the {written_mb:.1f} MB it wrote); what was saved before is intact")
+                    f"the save needs more than the {written_mb:.1f} MB it wrote); what was saved before is intact: free some space")
 
 
 def no_space_left(error: BaseException, directory: Path) -> bool:

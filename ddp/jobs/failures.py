@@ -62,9 +62,7 @@ def end_failed_job(error: BaseException, hydra_cfg, cfg, env: DistEnv) -> BaseEx
         record_failed_job(hydra_cfg, cfg, Interrupted(signal.SIGINT))
         sys.stderr.write("error: interrupted before or after training: exiting; nothing more was saved\n")
         sys.exit(130)
-    if isinstance(error, DiskFull):
-        error = DiskFull(f"{error}: free some space, then {_how_to_continue(hydra_cfg, env)}")
-    if getattr(error, "continues_once_fixed", False):  # e.g. a shard server back (data/shard_cache.py)
+    if getattr(error, "continues_once_fixed", False):  # a full disk freed, a shard server back (data/shard_cache.py)
         error = type(error)(f"{error}, then {_how_to_continue(hydra_cfg, env)}")
     if isinstance(error, (ConfigError, Diverged, DiskFull, OutOfMemory)):
         # without the frames that hold it, the run's DataLoader shuts its workers down now, before the line
