@@ -43,17 +43,22 @@ def _per_channel(t, x):
 def _global_stats(x, group):
     """Mean, biased variance (float64) and element count per channel over all ranks, in one collective.
 
-    Each rank computes its own count, mean and M2 (sum of squared deviations from its own mean, with
-    torch's var_mean rather than E[x^2] - E[x]^2, which cancels badly for large means); all ranks
-    gather them and combine them with Chan et al.'s parallel formula, as torch's CUDA SyncBN does
+    Each rank computes its own count, mean and M2 (sum of squared deviations from its own mean, in two
+    passes rather than as E[x^2] - E[x]^2, which cancels badly for large means); all ranks gather them
+    and combine them with Chan et al.'s parallel formula, as torch's CUDA SyncBN does
     (batch_norm_gather_stats_with_counts).
     """
     count = x.numel() // x.shape[1]
+    local_mean = local_m2 = x.new_zeros(x.shape[1], dtype=torch.float64)  # an empty batch on this rank adds nothing
     if count:
-        local_var, local_mean = torch.var_mean(x, dim=_reduce_dims(x), correction=0)
-    else:  # an empty batch on this rank: it adds nothing
-        local_var = local_mean = x.new_zeros(x.shape[1])
-    local = torch.cat([torch.tensor([count], dtype=torch.float64), local_mean.double(), local_var.double() * count])
+        # torch.var_mean over (N, *) of (N, C, *) is several times slower on CPU than these reductions
+        dims, x = _reduce_dims(x), x.to(torch.promote_types(x.dtype, torch.float32))  # bf16 sums in float32
+        rounded_mean = x.mean(dims)
+        centred = x - _per_channel(rounded_mean, x)
+        rounding = centred.mean(dims).double()  # what float32 lost of the mean, measured where it is small
+        local_mean = rounded_mean.double() + rounding
+        local_m2 = centred.square_().sum(dims).double() - count * rounding.square()
+    local = torch.cat([torch.tensor([count], dtype=torch.float64), local_mean, local_m2])
     gathered = [torch.empty_like(local) for _ in range(dist.get_world_size(group))]
     dist.all_gather(gathered, local, group=group)
     counts, means, m2s = torch.stack(gathered).split([1, x.shape[1], x.shape[1]], dim=1)
