@@ -96,8 +96,9 @@ def test_every_contender_of_the_full_bench_composes_and_its_ratios_come_out():
         }
         for what, ratio in expected.items():
             assert float(rows[what]) == pytest.approx(ratio, abs=5e-4), what
-    wall = found["ddp", "small_cnn"].wall[0] / found["plain", "small_cnn"].wall[0]
-    assert float(rows["train.py DDP / plain loop, whole-process wall time, small_cnn"]) == pytest.approx(wall, abs=5e-4)
+    for model in ("small_cnn", "resnet18"):
+        wall = found["ddp", model].wall[0] / found["plain", model].wall[0]
+        assert float(rows[f"train.py DDP / plain loop, whole-process wall time, {model}"]) == pytest.approx(wall, abs=5e-4)
     for tracker in ("mlflow", "wandb"):  # the trackers' cost, against TensorBoard alone
         with_it, ddp = found[f"ddp +{tracker}", "small_cnn"], found["ddp", "small_cnn"]
         what = f"logger=[tensorboard,{tracker}] / tensorboard, %s, small_cnn, 2 ranks"
