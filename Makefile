@@ -17,6 +17,8 @@ SMOKE_SEG := task=segmentation data=shapes model=small_segnet data.num_samples=3
 
 # gloo re-initialises reliably after torchrun restarts only without torchrun's shared store (pytorch#135712).
 export TORCH_DISABLE_SHARE_RDZV_TCP_STORE := 1
+# Bytecode is written on first import (pip install --no-compile, below).
+export PYTHONDONTWRITEBYTECODE :=
 
 .DEFAULT_GOAL := help
 .PHONY: help install train test smoke-test gpu-check sweep bench tensorboard mlflow-ui export slurm-up slurm-down
@@ -26,10 +28,13 @@ help: ## List the targets
 
 install: $(call installed,$(EXTRAS)) ## Create or update .venv with the pinned runtime dependencies (EXTRAS=mlflow, wandb or mlflow,wandb: a tracker's too)
 
-# any extras bring the runtime dependencies, and the test extras both trackers' and the bench's (pyproject.toml): their stamps too
+# --no-compile: each module's bytecode is written when a run first imports it, not all of torch's at the install
+# (about 90 s of a fresh clone's 3.5 min); so the targets write bytecode even where PYTHONDONTWRITEBYTECODE is set,
+# or every process would compile torch's modules again. Any extras bring the runtime dependencies, and the test
+# extras both trackers' and the bench's (pyproject.toml): their stamps too
 $(VENV)/.installed-%: pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
-	$(PY) -m pip install --quiet -e '.$(if $(filter-out runtime,$*),[$*])'
+	$(PY) -m pip install --quiet --no-compile -e '.$(if $(filter-out runtime,$*),[$*])'
 	touch $@ $(call installed) $(if $(filter test,$*),$(call installed,mlflow) $(call installed,wandb) $(call installed,$(TRACKER_EXTRAS)) $(call installed,$(BENCH_EXTRAS)))
 
 train: $(call installed) ## Train the default run (small_cnn on digits, one device); prints the run dir and metrics

@@ -39,7 +39,7 @@ def test_make_train_installs_the_runtime_dependencies_alone(venv):
     project = tomllib.loads((REPO / "pyproject.toml").read_text())["project"]
     runtime = {requirement.split("==")[0] for requirement in project["dependencies"]}
     assert not runtime & {"pytest", "pytest-xdist", "selenium", "mlflow", "wandb"}, runtime
-    assert make(venv, "train") == ["python -m pip install --quiet -e .", "python train.py"]
+    assert make(venv, "train") == ["python -m pip install --quiet --no-compile -e .", "python train.py"]
     assert make(venv, "train") == ["python train.py"]  # installed once
     assert make(venv, "install") == []
 
@@ -47,15 +47,25 @@ def test_make_train_installs_the_runtime_dependencies_alone(venv):
 def test_make_test_installs_the_test_extras_which_serve_every_other_target(venv):
     """`make test` installs pytest, selenium and both trackers; the suite's own `make mlflow-ui` then
     installs nothing (an install during the suite would swap the package under the running tests)."""
-    assert make(venv, "test") == ["python -m pip install --quiet -e .[test]", "python -m pytest -q -n 2"]
+    assert make(venv, "test") == ["python -m pip install --quiet --no-compile -e .[test]", "python -m pytest -q -n 2"]
     assert make(venv, "mlflow-ui", "MLFLOW_PORT=5999")[0].startswith("mlflow ui --backend-store-uri sqlite:///")
     for target in (["train"], ["bench"], ["install", "EXTRAS=mlflow"], ["install", "EXTRAS=mlflow,wandb"]):
         assert not [command for command in make(venv, *target) if " pip " in command], target
 
 
 def test_a_trackers_extra_comes_with_make_install_extras_or_the_target_that_needs_it(venv):
-    assert make(venv, "install", "EXTRAS=wandb") == ["python -m pip install --quiet -e .[wandb]"]
-    assert make(venv, "mlflow-ui")[0] == "python -m pip install --quiet -e .[mlflow]"
+    assert make(venv, "install", "EXTRAS=wandb") == ["python -m pip install --quiet --no-compile -e .[wandb]"]
+    assert make(venv, "mlflow-ui")[0] == "python -m pip install --quiet --no-compile -e .[mlflow]"
     assert make(venv, "install", "EXTRAS=mlflow") == []
     assert make(venv, "train") == ["python train.py"]  # the runtime dependencies came with the extras
-    assert make(venv, "bench") == ["python -m pip install --quiet -e .[mlflow,wandb,bench]", "python benchmarks/bench.py"]
+    assert make(venv, "bench") == ["python -m pip install --quiet --no-compile -e .[mlflow,wandb,bench]", "python benchmarks/bench.py"]
+
+
+def test_targets_write_bytecode_even_where_the_environment_says_not_to(venv, monkeypatch):
+    """The install compiles no bytecode (pip --no-compile), so each module's is written at its first import;
+    with PYTHONDONTWRITEBYTECODE set every process would compile torch's modules again."""
+    (venv / "bin" / "python").write_text('#!/bin/sh\necho "python $* PYTHONDONTWRITEBYTECODE=[$PYTHONDONTWRITEBYTECODE]" '
+                                         '>> "$(dirname "$0")/../commands.log"\n')
+    monkeypatch.setenv("PYTHONDONTWRITEBYTECODE", "1")
+    assert make(venv, "train") == ["python -m pip install --quiet --no-compile -e . PYTHONDONTWRITEBYTECODE=[]",
+                                   "python train.py PYTHONDONTWRITEBYTECODE=[]"]
