@@ -120,6 +120,8 @@ def command(contender: Contender, settings: Settings, run_dir: Path) -> list[str
 def run_once(contender: Contender, settings: Settings, scratch: Path) -> None:
     run_dir = scratch / f"run{len(list(scratch.iterdir()))}"
     env = os.environ | {"OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}
+    if contender.model != "resnet50":  # the CPU rows run on CPU on every host, also where a GPU is visible
+        env["CUDA_VISIBLE_DEVICES"] = ""
     started = time.perf_counter()
     result = subprocess.run(command(contender, settings, run_dir), cwd=scratch, env=env, capture_output=True, text=True)
     wall = time.perf_counter() - started

@@ -113,7 +113,8 @@ class CPUSyncBatchNorm(_BatchNorm):
 
     def __init__(self, num_features, eps=1e-5, momentum=0.1, affine=True, track_running_stats=True,
                  process_group=None, device=None, dtype=None, *, bias=True):
-        super().__init__(num_features, eps, momentum, affine, track_running_stats, device, dtype, bias=bias)
+        without_bias = {} if bias else {"bias": False}  # a keyword since torch 2.14 (gpu-check runs older torch)
+        super().__init__(num_features, eps, momentum, affine, track_running_stats, device, dtype, **without_bias)
         self.process_group = process_group  # None means the default (WORLD) group
 
     def _check_input_dim(self, input):
@@ -150,7 +151,8 @@ class CPUSyncBatchNorm(_BatchNorm):
         module_output = module
         if isinstance(module, _BatchNorm) and not isinstance(module, cls):
             module_output = cls(module.num_features, module.eps, module.momentum, module.affine,
-                                module.track_running_stats, process_group, bias=module.bias is not None)
+                                module.track_running_stats, process_group,
+                                bias=not module.affine or module.bias is not None)
             if module.affine:
                 with torch.no_grad():
                     module_output.weight = module.weight

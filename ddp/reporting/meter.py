@@ -162,9 +162,10 @@ _CLEAR_REFS, _STATUS = Path("/proc/self/clear_refs"), Path("/proc/self/status")
 def reset_peak_memory(cuda_devices: list[int]) -> bool:
     """Start this run's high-water marks: each GPU's allocator peak, or the process's peak RSS.
     False where the RSS peak can't be reset (not Linux): it is then the process's."""
-    for index in cuda_devices:
-        torch.cuda.reset_peak_memory_stats(index)
     if cuda_devices:
+        if torch.cuda.is_initialized():  # else nothing was allocated yet, and torch refuses to reset (no allocator)
+            for index in cuda_devices:
+                torch.cuda.reset_peak_memory_stats(index)
         return True
     try:
         _CLEAR_REFS.write_text("5")  # resets VmHWM to the current RSS (Linux >= 4.0)
