@@ -391,8 +391,9 @@ def test_an_epoch_with_a_window_continued_at_another_world_size_trains_each_samp
 def test_worker_batches_of_images_are_uint8_and_normalize_on_the_device_to_the_in_process_bits(tmp_path, random_erase):
     """With workers, a preset's training and validation images cross shared memory as uint8 (a quarter
     of float32's bytes) and to_device normalizes them with the dataset's normalization: the very bits the
-    same samples have when loaded in the process. With random erasing, which erases normalized pixels,
-    training images are normalized in the worker."""
+    same samples have when loaded in the process, contiguous as those are. The uint8 batch is channels_last:
+    the decoded images are stacked as they lie in memory, (H, W, C). With random erasing, which erases
+    normalized pixels, training images are normalized in the worker."""
     from data.vision import build_imagefolder
     from ddp.loading.batches import to_device
 
@@ -406,16 +407,19 @@ def test_worker_batches_of_images_are_uint8_and_normalize_on_the_device_to_the_i
             start_epoch(loader, EPOCH)
         else:
             loader = build_val_loader(splits.val, data_cfg, DistEnv(), False)
-        return [(images.dtype, to_device(images, torch.device("cpu"), normalization=loader.dataset.image_normalization))
+        return [(images, to_device(images, torch.device("cpu"), normalization=loader.dataset.image_normalization))
                 for images, _ in loader]
 
     for split, travels_as in (("train", torch.float32 if random_erase else torch.uint8), ("val", torch.uint8)):
         in_process, from_workers = batches(0, split), batches(2, split)
-        assert {dtype for dtype, _ in in_process} == {torch.float32}
-        assert {dtype for dtype, _ in from_workers} == {travels_as}, split
+        assert {images.dtype for images, _ in in_process} == {torch.float32}
+        assert {images.dtype for images, _ in from_workers} == {travels_as}, split
+        assert all(images.is_contiguous(memory_format=torch.channels_last) for images, _ in from_workers
+                   if images.dtype == torch.uint8), split
         assert len(in_process) == len(from_workers) == 3
         for (_, expected), (_, normalized) in zip(in_process, from_workers):
             assert normalized.dtype == torch.float32 and torch.equal(normalized, expected), split
+            assert normalized.is_contiguous() and expected.is_contiguous(), split
 
 
 def test_workers_stack_large_tensors_into_ready_shared_memory_as_default_collate_does():

@@ -17,7 +17,7 @@ IMAGE_KEY, LABEL_KEY = "image", "label"
 
 class ImageNormalization:
     """A dataset's per-channel mean and std, and the transform's last step that applies them: a uint8
-    image (C, H, W), or a batch of them, to float32 in [0, 1], then (x - mean) / std, the very operations
+    image (C, H, W), or a batch of them, to contiguous float32 in [0, 1], then (x - mean) / std, the very operations
     of transforms.v2's ToDtype(scale=True) and Normalize. An element's value doesn't depend on where or
     in what batch it is computed, so applying it per image or per batch on the device gives the same bits.
 
@@ -38,7 +38,9 @@ class ImageNormalization:
             self._constants[images.device] = tuple(torch.tensor(values, dtype=torch.float32, device=images.device).view(-1, 1, 1)
                                                    for values in (self.mean, self.std))
         mean, std = self._constants[images.device]
-        return images.to(torch.float32).mul_(1.0 / 255).sub_(mean).div_(std)
+        # contiguous: a loader worker's batch of decoded images is channels_last (ddp/loading/collate.py),
+        # transposed here in the same pass as the conversion
+        return images.to(torch.float32, memory_format=torch.contiguous_format).mul_(1.0 / 255).sub_(mean).div_(std)
 
     def __getstate__(self) -> dict:  # to a loader worker: no device's tensors
         return {"mean": self.mean, "std": self.std, "deferred": self.deferred, "_constants": {}}

@@ -7,7 +7,10 @@ tensor of at least READY_BYTES is stacked into a segment of its size that a thre
 made and wrote while the worker loaded the batch, so the stack copies into pages that are there.
 Measured in a worker on 2 cores, 32 uint8 images of 224 px: the collate took 3.4 ms instead of 7.2,
 and a batch 72 ms instead of 77. Where a core is idle that work is off the worker's path; where none
-is, the thread takes the time the worker would have spent on it."""
+is, the thread takes the time the worker would have spent on it.
+
+Decoded uint8 images (PILToTensor's (C, H, W) views of (H, W, C) memory) are stacked as they lie in
+memory, so their batch is channels_last; the rank's normalization writes it contiguous."""
 
 import queue
 import threading
@@ -58,10 +61,20 @@ _segments: ReadySegments | None = None  # this worker's, made at its first batch
 
 
 def _collate_tensors(batch: list[torch.Tensor], *, collate_fn_map=None) -> torch.Tensor:
-    global _segments
     elem = batch[0]
     if get_worker_info() is None or type(elem) is not torch.Tensor or elem.is_nested or elem.device.type != "cpu":
         return collate_tensor_fn(batch, collate_fn_map=collate_fn_map)
+    if elem.dtype == torch.uint8 and elem.dim() == 3 and elem.permute(1, 2, 0).is_contiguous() and not elem.is_contiguous():
+        # decoded images as PILToTensor leaves them, (C, H, W) over (H, W, C) memory: stacked as they lie, a
+        # plain copy instead of a transposing one (32 at 224 px: 0.2 ms, not 3.2), into a channels_last batch
+        # that the rank's normalization converts and lays out in one pass (ddp/loading/batches.py)
+        return _stack_in_worker([image.permute(1, 2, 0) for image in batch], collate_fn_map).permute(0, 3, 1, 2)
+    return _stack_in_worker(batch, collate_fn_map)
+
+
+def _stack_in_worker(batch: list[torch.Tensor], collate_fn_map) -> torch.Tensor:
+    global _segments
+    elem = batch[0]
     nbytes = sum(tensor.nbytes for tensor in batch)
     if nbytes < READY_BYTES or nbytes != len(batch) * elem.nbytes:  # small, or sizes that torch's stack refuses in its words
         return collate_tensor_fn(batch, collate_fn_map=collate_fn_map)
