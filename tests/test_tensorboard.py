@@ -59,6 +59,35 @@ def test_a_slow_rank_shows_in_the_straggler_ratio(plain_ddp_run):
     assert all(event.value >= 0.1 for event in accumulator.Scalars("perf/compute_s_per_update_max"))
 
 
+def test_the_runs_compute_per_update_leaves_out_the_warm_up_updates_as_samples_per_s_does():
+    """ComputeTimer on the host clock, with trainer.warmup_steps=2: the first 2 updates take 100 ms longer (as
+    a GPU's first update does, loading libraries and picking kernels). The log window that holds them shows
+    them; the run's figure, which results.json reports per rank, is the later updates' alone. A run that is
+    all warm-up reports all of it."""
+    import torch
+    from torch import nn
+
+    from ddp.reporting.meter import ComputeTimer
+
+    def train(updates: int, warmup: int, log_at: set[int]) -> tuple[list[float], float]:
+        model = nn.Linear(4, 1)
+        timer = ComputeTimer(model, torch.device("cpu"), warmup)
+        slow = model.register_forward_hook(lambda *args: time.sleep(0.1))  # inside the timed span: forward to gradient
+        windows = []
+        for update in range(1, updates + 1):
+            model(torch.ones(2, 4)).sum().backward()
+            timer.update_done()
+            if update == 2:
+                slow.remove()
+            if update in log_at:
+                windows.append(timer.window_per_update())
+        return windows, timer.per_update
+
+    windows, run = train(updates=6, warmup=2, log_at={3, 6})
+    assert windows[0] >= 0.2 / 3 and run < 0.01, (windows, run)  # broken, the run would read at least 0.2 / 6
+    assert train(updates=2, warmup=3, log_at={2})[1] >= 0.1
+
+
 def test_hparams_are_in_the_run_dir_itself(events, ddp_run):
     """In the run's own event dir (no timestamped subdir), so a sweep's runs form one HParams table."""
     (run_dir,) = run_dirs(ddp_run[0])

@@ -96,12 +96,18 @@ class ComputeTimer:
     with the last gradient backward computes: the first parameter's, one bucket's all-reduce before
     the end. Host clock on CPU; on CUDA, events recorded on the stream and read only at log steps,
     where the loop has already waited for the device.
+
+    The run's figure (`per_update`) leaves out the first `warmup_updates`, as samples/s does: on a GPU
+    the first update also loads libraries and picks kernels, which would read as this rank's compute.
     """
 
-    def __init__(self, module: nn.Module, device: torch.device):
+    def __init__(self, module: nn.Module, device: torch.device, warmup_updates: int = 0):
         self.cuda = device.type == "cuda"
         self.window_seconds, self.window_updates = 0.0, 0
-        self.total_seconds, self.total_updates = 0.0, 0
+        self.total_seconds, self.total_updates = 0.0, 0  # after the warm-up; all updates where none followed it
+        self.warmup_updates, self.updates = warmup_updates, 0
+        self._warmup_in_window = (0.0, 0, 0)  # the open window's warm-up: host seconds, event pairs, updates
+        self._all_seconds, self._all_updates = 0.0, 0
         self._pending: list[tuple[torch.cuda.Event, torch.cuda.Event]] = []
         self._started: float | torch.cuda.Event | None = None
         first = next(parameter for parameter in module.parameters() if parameter.requires_grad)
@@ -130,21 +136,31 @@ class ComputeTimer:
 
     def update_done(self) -> None:
         self.window_updates += 1
+        self.updates += 1
+        if self.updates <= self.warmup_updates:
+            self._warmup_in_window = (self.window_seconds, len(self._pending), self.window_updates)
 
     def window_per_update(self) -> float:
         """Seconds of compute per update since the last call (call where the device has caught up)."""
-        self.window_seconds += sum(start.elapsed_time(end) for start, end in self._pending) / 1000
+        timed = [start.elapsed_time(end) / 1000 for start, end in self._pending]
+        warmup_seconds, warmup_pairs, warmup_updates = self._warmup_in_window
+        window_seconds = self.window_seconds + sum(timed)
+        per_update = window_seconds / self.window_updates if self.window_updates else 0.0
+        self.total_seconds += window_seconds - warmup_seconds - sum(timed[:warmup_pairs])
+        self.total_updates += self.window_updates - warmup_updates
+        self._all_seconds += window_seconds
+        self._all_updates += self.window_updates
         self._pending.clear()
-        per_update = self.window_seconds / self.window_updates if self.window_updates else 0.0
-        self.total_seconds += self.window_seconds
-        self.total_updates += self.window_updates
-        self.window_seconds, self.window_updates = 0.0, 0
+        self.window_seconds, self.window_updates, self._warmup_in_window = 0.0, 0, (0.0, 0, 0)
         return per_update
 
     @property
     def per_update(self) -> float:
-        """Over the whole run so far (call `window_per_update` first to count the open window)."""
-        return self.total_seconds / self.total_updates if self.total_updates else 0.0
+        """Over the run so far after the warm-up, or over all of it if it was all warm-up (call
+        `window_per_update` first to count the open window)."""
+        if self.total_updates:
+            return self.total_seconds / self.total_updates
+        return self._all_seconds / self._all_updates if self._all_updates else 0.0
 
 
 def straggler_stats(per_rank: list[float]) -> dict[str, float]:

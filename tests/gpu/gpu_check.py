@@ -194,9 +194,9 @@ def check_two_ranks_share_the_gpu_and_match_one_process(scratch: Path) -> str:
 
 
 def check_a_slow_rank_shows_in_the_cuda_event_timing(scratch: Path) -> str:
-    """Each rank's compute per update, timed with CUDA events: rank 1 slowed by 50 ms per forward. 32 updates, so
-    that the first one's CUDA start-up (libraries loaded, kernels chosen) doesn't count as the fast rank's compute
-    (with 4 updates it read 97 ms an update on an H200)."""
+    """Each rank's compute per update, timed with CUDA events: rank 1 slowed by 50 ms per forward. Over 32 updates,
+    of which the run's figure leaves out the warm-up's 3, where CUDA starts up (libraries loaded, kernels chosen):
+    over 4 updates, warm-up included, the fast rank read 97 ms an update on an H200."""
     launch(["strategy=ddp", "backend=gloo", *TINY, "data.num_samples=2048", "trainer.max_epochs=1", "trainer.log_every_n_steps=2",
             "fault.slow_rank=1", "fault.slow_ms=50"], scratch / "straggler", nproc=2)
     found = results(scratch / "straggler")
