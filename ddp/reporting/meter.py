@@ -104,10 +104,10 @@ class ComputeTimer:
     def __init__(self, module: nn.Module, device: torch.device, warmup_updates: int = 0):
         self.cuda = device.type == "cuda"
         self.window_seconds, self.window_updates = 0.0, 0
-        self.total_seconds, self.total_updates = 0.0, 0  # after the warm-up; all updates where none followed it
+        self.total_seconds, self.total_updates = 0.0, 0  # after the warm-up
         self.warmup_updates, self.updates = warmup_updates, 0
         self._warmup_in_window = (0.0, 0, 0)  # the open window's warm-up: host seconds, event pairs, updates
-        self._all_seconds, self._all_updates = 0.0, 0
+        self._all_seconds, self._all_updates = 0.0, 0  # warm-up included: the figure of a run that is all warm-up
         self._pending: list[tuple[torch.cuda.Event, torch.cuda.Event]] = []
         self._started: float | torch.cuda.Event | None = None
         first = next(parameter for parameter in module.parameters() if parameter.requires_grad)

@@ -38,7 +38,8 @@ class RunMonitor:
         self.global_batch = length.global_batch
         self.cuda_devices, self.memory_reset = ctx.gpus, ctx.memory_reset
         self.meter = ThroughputMeter(trainer_cfg.warmup_steps, device)
-        self.compute_timer = ComputeTimer(trained_module, device, trainer_cfg.warmup_steps)  # this rank's own compute per update: shows a straggler
+        # this rank's own compute per update: shows a straggler
+        self.compute_timer = ComputeTimer(trained_module, device, trainer_cfg.warmup_steps)
         self.progress = tqdm(total=length.total_updates, initial=start_step, desc="train",
                              disable=not (env.is_main and sys.stderr.isatty()))
         # a resumed run drops the events the interrupted one logged after its checkpoint
