@@ -86,6 +86,11 @@ def test_where_uv_fails_pip_installs(venv):
     assert make(venv, "train") == [*install(venv), "python -m pip install --quiet --no-compile -e .", "python train.py"]
 
 
+def test_where_uv_cant_be_installed_pip_installs(venv):
+    (venv / "bin" / "python").write_text(RECORDER + 'case "$*" in *uv==*) exit 1;; esac\n')
+    assert make(venv, "train") == [install(venv)[0], "python -m pip install --quiet --no-compile -e .", "python train.py"]
+
+
 def test_uv_is_given_the_package_sources_pip_is_configured_with(tmp_path):
     """Index URLs, wheel folders and constraints from pip's configuration files and PIP_* variables, each once."""
     config = tmp_path / "pip.conf"
