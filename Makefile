@@ -30,16 +30,18 @@ install: $(call installed,$(EXTRAS)) ## Create or update .venv with the pinned r
 
 # uv installs what pip would (from the package sources pip is configured with: scripts/pip_sources.py) in a third
 # of its time, unpacking wheels on every core; where uv can't be installed or fails, pip installs. Neither compiles
-# bytecode at the install (about 90 s for all of torch's): each module's is written when a run first imports it, so the targets write
-# bytecode even where PYTHONDONTWRITEBYTECODE is set, or every process would compile torch's modules again. Any
-# extras bring the runtime dependencies, and the test extras both trackers' and the bench's (pyproject.toml): their stamps too
+# bytecode at the install (about 90 s for all of torch's): each module's is written when a run first imports it,
+# so the targets write bytecode even where PYTHONDONTWRITEBYTECODE is set, or every process would compile torch's
+# modules again. Any extras bring the runtime dependencies, and the test extras both trackers' and the bench's
+# (pyproject.toml): their stamps too
 UV_VERSION := 0.13.9
+project = '.$(if $(filter-out runtime,$(1)),[$(1)])'
 $(VENV)/.installed-%: pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	{ $(PY) -m pip install --quiet uv==$(UV_VERSION) \
 		&& $(VENV)/bin/uv pip install --quiet --python $(PY) --index-strategy unsafe-best-match $$($(PY) scripts/pip_sources.py) \
-			-e '.$(if $(filter-out runtime,$*),[$*])'; } \
-	|| { echo "uv could not install; pip installs instead"; $(PY) -m pip install --quiet --no-compile -e '.$(if $(filter-out runtime,$*),[$*])'; }
+			-e $(call project,$*); } \
+	|| { echo "uv could not install; pip installs instead"; $(PY) -m pip install --quiet --no-compile -e $(call project,$*); }
 	touch $@ $(call installed) $(if $(filter test,$*),$(call installed,mlflow) $(call installed,wandb) $(call installed,$(TRACKER_EXTRAS)) $(call installed,$(BENCH_EXTRAS)))
 
 train: $(call installed) ## Train the default run (small_cnn on digits, one device); prints the run dir and metrics

@@ -9,12 +9,7 @@ import shlex
 import subprocess
 import sys
 
-UV_OPTIONS = {
-    "index-url": "--index-url",
-    "extra-index-url": "--extra-index-url",
-    "find-links": "--find-links",
-    "constraint": "--constraint",
-}
+SOURCES = ("index-url", "extra-index-url", "find-links", "constraint")  # pip's keys, uv's options of the same names
 
 
 def main() -> None:
@@ -22,9 +17,9 @@ def main() -> None:
     options = {}  # (option, source): None, in pip's order, each once (a source may be set in a file and a variable)
     for line in listing.splitlines():  # e.g. global.extra-index-url='file:///srv/a file:///srv/b'
         key, _, value = line.partition("=")
-        option = UV_OPTIONS.get(key.rpartition(".")[2])
-        for source in ast.literal_eval(value).split() if option else ():
-            options[option, source] = None
+        name = key.rpartition(".")[2]
+        for source in ast.literal_eval(value).split() if name in SOURCES else ():
+            options[f"--{name}", source] = None
     print(" ".join(f"{option} {shlex.quote(source)}" for option, source in options))
 
 
