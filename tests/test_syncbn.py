@@ -21,17 +21,21 @@ from ddp.distributed.syncbn import CPUSyncBatchNorm, convert_syncbn
 
 WORLD = 2
 STEPS = 3
-# name -> (per-rank batch sizes, BatchNorm kwargs, mean of the inputs)
+# name -> (per-rank batch sizes, BatchNorm kwargs, mean of the inputs, input dtype: bf16 under CPU autocast)
 PARITY_CASES = {
-    "equal_split": ((8, 8), dict(momentum=0.1), 1.0),
-    "unequal_split_cumulative": ((5, 11), dict(momentum=None, eps=1e-3), 1.0),
-    "no_affine_no_running_stats": ((6, 4), dict(affine=False, track_running_stats=False), 1.0),
+    "equal_split": ((8, 8), dict(momentum=0.1), 1.0, torch.float32),
+    "unequal_split_cumulative": ((5, 11), dict(momentum=None, eps=1e-3), 1.0, torch.float32),
+    "no_affine_no_running_stats": ((6, 4), dict(affine=False, track_running_stats=False), 1.0, torch.float32),
     # 1e4 + N(0, 4): E[x^2] - E[x]^2 would lose the variance to cancellation
-    "large_mean": ((8, 8), dict(momentum=0.1), 1e4),
+    "large_mean": ((8, 8), dict(momentum=0.1), 1e4, torch.float32),
+    # precision=bf16: a bf16 input, float32 parameters and buffers, as autocast leaves them
+    "bf16_autocast": ((5, 11), dict(momentum=0.1), 1.0, torch.bfloat16),
+    "bf16_autocast_no_affine": ((6, 4), dict(affine=False), 1.0, torch.bfloat16),
 }
 # float32 holds 1e4 + x only to about 1e-3 (5e-4 of the spread), so there outputs and grads agree to
-# a few 1e-3; a variance lost to cancellation would be off by units
-TOLERANCE = {"large_mean": dict(atol=5e-3, rtol=5e-3)}
+# a few 1e-3; a variance lost to cancellation would be off by units. bf16 keeps 8 bits of a value.
+BF16 = dict(atol=2e-2, rtol=2e-2)
+TOLERANCE = {"large_mean": dict(atol=5e-3, rtol=5e-3), "bf16_autocast": BF16, "bf16_autocast_no_affine": BF16}
 
 
 def _batch(step, n, mean):
@@ -85,15 +89,15 @@ def _ddp_batch(rank):
     return torch.randn(4, 3, 5, 5, generator=g) * (1 + rank) + rank  # ranks see different data
 
 
-def _run_parity(rank, split, kwargs, mean):
+def _run_parity(rank, split, kwargs, mean, dtype):
     bn = _make_bn(CPUSyncBatchNorm, **kwargs).train()
     lo, hi = sum(split[:rank]), sum(split[: rank + 1])
     steps = []
     for step in range(STEPS):
         x, w = _batch(step, sum(split), mean)
-        x = x[lo:hi].clone().requires_grad_()
+        x = x[lo:hi].to(dtype, copy=True).requires_grad_()
         bn.zero_grad(set_to_none=True)
-        with _CollectiveCounter() as forward:
+        with _CollectiveCounter() as forward, torch.autocast("cpu", torch.bfloat16, enabled=dtype == torch.bfloat16):
             y = bn(x)
         with _CollectiveCounter() as backward:
             (y * w[lo:hi]).sum().backward()
@@ -124,7 +128,7 @@ def _worker(rank, port, out_dir):
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank,
                             world_size=WORLD, timeout=timedelta(seconds=60))
     try:
-        results = {name: _run_parity(rank, split, kw, mean) for name, (split, kw, mean) in PARITY_CASES.items()}
+        results = {name: _run_parity(rank, *case) for name, case in PARITY_CASES.items()}
         results["ddp"] = _run_ddp(rank)
         torch.save(results, f"{out_dir}/rank{rank}.pt")
     finally:
@@ -149,14 +153,15 @@ def ranks(tmp_path_factory):
 
 @pytest.mark.parametrize("case", PARITY_CASES)
 def test_matches_batchnorm_on_the_full_batch(ranks, case):
-    split, kwargs, mean = PARITY_CASES[case]
+    split, kwargs, mean, dtype = PARITY_CASES[case]
     ref = _make_bn(nn.BatchNorm2d, **kwargs).train()
     bounds = [(sum(split[:r]), sum(split[: r + 1])) for r in range(WORLD)]
     for step in range(STEPS):
         x, w = _batch(step, sum(split), mean)
-        x.requires_grad_()
+        x = x.to(dtype).requires_grad_()
         ref.zero_grad(set_to_none=True)
-        y = ref(x)
+        with torch.autocast("cpu", torch.bfloat16, enabled=dtype == torch.bfloat16):
+            y = ref(x)
         (y * w).sum().backward()
         for r, (lo, hi) in enumerate(bounds):
             got = ranks[r][case]["steps"][step]

@@ -141,7 +141,10 @@ class CPUSyncBatchNorm(_BatchNorm):
                 unbiased = var * count / (count - 1)
                 self.running_mean.mul_(1 - factor).add_(mean.to(self.running_mean.dtype), alpha=factor)
                 self.running_var.mul_(1 - factor).add_(unbiased.to(self.running_var.dtype), alpha=factor)
-        return _SyncBatchNormFn.apply(input, self.weight, self.bias, mean.to(input.dtype), var.to(input.dtype), self.eps,
+        # BatchNorm's kernels take statistics in the parameters' dtype: float32 ones for a bf16 or fp16 input
+        # under autocast (precision=bf16), where they normalize in float32 as nn.BatchNorm does
+        stats_dtype = self.weight.dtype if self.weight is not None else torch.promote_types(input.dtype, torch.float32)
+        return _SyncBatchNormFn.apply(input, self.weight, self.bias, mean.to(stats_dtype), var.to(stats_dtype), self.eps,
                                       count, self.process_group)
 
     @classmethod
