@@ -33,7 +33,7 @@ from ddp.jobs.faults import SampleRecorder, slow_down
 from ddp.jobs.launch import launch_workers
 from ddp.jobs.preemption import StopOnSignal, resume_command
 from ddp.jobs.run_dir import register_resolvers
-from ddp.loading.batches import batch_size, one_sample_batch
+from ddp.loading.batches import BatchPlacement, batch_size, one_sample_batch
 from ddp.loading.loader_workers import start_worker_server
 from ddp.loading.loaders import build_train_loader, build_val_loader, iterate_from, start_epoch
 from ddp.reporting.meter import reset_peak_memory
@@ -114,8 +114,8 @@ def fit(ctx: RunContext, splits, task, length: TrainingLength, model, resumed) -
     lr = scaled_lr(cfg.optim, length.global_batch)
     optimizer = build_optimizer(cfg.optim, model.parameters(), lr)
     scheduler = build_scheduler(cfg.scheduler, optimizer, length.total_updates, length.updates_per_epoch)
-    update = UpdateStep(model, optimizer, task=task, precision=cfg.precision, scheduler=scheduler,
-                        clip_norm=cfg.trainer.gradient_clip_norm, ema=ema, channels_last=cfg.channels_last)
+    update = UpdateStep(model, optimizer, task=task, precision=cfg.precision, scheduler=scheduler, clip_norm=cfg.trainer.gradient_clip_norm,
+                        ema=ema, placement=BatchPlacement(cfg.channels_last, train_loader.dataset.image_normalization))
     seed_this_rank(model, cfg.seed + env.rank)  # per-rank randomness (dropout) from here on
     position, rank_state = resume_training(resumed, update, lr, length.total_updates, cfg.data.batch_size, env.world_size,
                                            env.rank, len(splits.train)) if resumed else (Position(), None)  # this run's LR, length
@@ -155,7 +155,7 @@ def train(ctx: RunContext, update: UpdateStep, train_loader, position: Position,
         start_epoch(train_loader, position.epoch, position.samples_in_epoch(length.samples_per_batch, len(train_loader.dataset)))
         epoch_batches = min(position.batch_in_epoch + len(train_loader), length.batches_per_epoch)
         restore = functools.partial(checkpointer.restore_rank_state, rank_state) if rank_state else None
-        batches, rank_state = iterate_from(train_loader, position.batch_in_epoch, epoch_batches, restore, update.device), None
+        batches, rank_state = iterate_from(train_loader, position.batch_in_epoch, epoch_batches, restore), None
         record_batch = house.recorder.start_epoch(train_loader.sampler, position.epoch, position.batch_in_epoch) if house.recorder else None
         updates = train_one_epoch(update, monitor.start_epoch(batches, position.global_step), epoch_batches, position, length,
                                   ctx.env.world_size, record_batch)

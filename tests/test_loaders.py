@@ -422,6 +422,36 @@ def test_worker_batches_of_images_are_uint8_and_normalize_on_the_device_to_the_i
             assert normalized.is_contiguous() and expected.is_contiguous(), split
 
 
+def test_the_training_step_normalizes_worker_batches_after_the_data_wait_and_trains_as_in_process(tmp_path):
+    """As train.py composes them: the data-wait meter times each batch as the loader hands it over (uint8
+    images from workers, nothing moved or normalized yet), and the UpdateStep given the dataset's
+    normalization trains on those batches to the very weights of the same epoch loaded in the process."""
+    from data.vision import build_imagefolder
+    from ddp.loading.batches import BatchPlacement
+    from ddp.reporting.meter import ThroughputMeter
+
+    root = write_imagefolder(tmp_path / "images", per_class=5, size=(40, 30))
+    train = build_imagefolder(str(root), image_size=16, augment="standard", random_erase=0.0, interpolation="bilinear").train
+
+    def trained(workers: int) -> tuple[set, dict]:
+        loader = build_train_loader(train, SimpleNamespace(batch_size=4, num_workers=workers), DistEnv(), 0, False)
+        start_epoch(loader, EPOCH)
+        torch.manual_seed(0)
+        model = nn.Sequential(nn.Flatten(), nn.Linear(3 * 16 * 16, 2))
+        update = UpdateStep(model, torch.optim.SGD(model.parameters(), lr=0.1), task=ClassificationTask(), precision="32",
+                            placement=BatchPlacement(normalization=loader.dataset.image_normalization))
+        meter, timed_dtypes = ThroughputMeter(warmup_steps=0, device=torch.device("cpu")), set()
+        meter.resume()
+        for _, batch in meter.timed(iterate_from(loader, 0)):
+            timed_dtypes.add(batch[0].dtype)
+            update.micro_step(batch, 0, 1)
+        return timed_dtypes, model.state_dict()
+
+    (in_process_dtypes, expected), (worker_dtypes, weights) = trained(0), trained(2)
+    assert in_process_dtypes == {torch.float32} and worker_dtypes == {torch.uint8}
+    assert all(torch.equal(weights[name], expected[name]) for name in expected)
+
+
 def test_workers_stack_large_tensors_into_ready_shared_memory_as_default_collate_does():
     """Workers stack each large tensor of a batch into shared memory that a thread made ready while the
     batch loaded: the batches, nested views and dicts included and the last one shorter, are

@@ -172,7 +172,7 @@ def test_imagefolder_trains_a_pretrained_torchvision_model_and_evaluates_its_tes
     run_dir = tmp_path / "train" / "run"
     with caplog.at_level(logging.INFO):
         run_in_this_process([*data, "data.augment=trivialaugment", "model=torchvision", "model.name=resnet18",
-                             f"model.weights_path={tmp_path / 'resnet18_imagenet.pth'}", "trainer.max_epochs=2"], run_dir)
+                             f"model.weights_path={tmp_path / 'resnet18_imagenet.pth'}", "trainer.max_epochs=2", "optim.lr=0.001"], run_dir)
     results = json.loads((run_dir / "results.json").read_text())
     assert (results["steps"], results["val_samples"]) == (12, 12)  # 24 images: 6 batches of 4, 2 epochs
     assert "skipped the classifier head ['fc.bias', 'fc.weight']" in caplog.text

@@ -6,6 +6,7 @@ Where a sample's (or a batch's) image and label are, by its structure (docs/task
 element 0 and 1 of a tuple or list; the IMAGE_KEY and LABEL_KEY entries of a dict. The startup check
 tries the model on a sample's image; the default task steps read a batch's images and labels."""
 
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -65,6 +66,20 @@ def to_device(batch: Any, device: torch.device, memory_format: torch.memory_form
     if isinstance(batch, dict):
         return {key: to_device(value, device, memory_format, normalization) for key, value in batch.items()}
     return batch
+
+
+@dataclass(frozen=True)
+class BatchPlacement:
+    """How the training step puts a batch on its device: image tensors channels_last (channels_last=true)
+    or contiguous, and the uint8 images that loader workers hand over normalized with the dataset's
+    `normalization`, after the data-wait meter has timed their arrival."""
+
+    channels_last: bool = False
+    normalization: ImageNormalization | None = None
+
+    def __call__(self, batch: Any, device: torch.device) -> Any:
+        memory_format = torch.channels_last if self.channels_last else torch.contiguous_format
+        return to_device(batch, device, memory_format, self.normalization)
 
 
 def batch_size(batch: Any) -> int:

@@ -9,7 +9,6 @@ import torch
 from torch.utils.data import DataLoader, Dataset
 
 from ddp.distributed.env import DistEnv
-from ddp.loading.batches import to_device
 from ddp.loading.collate import collate
 from ddp.loading.loader_workers import WorkerSafeDataLoader
 from ddp.loading.sample_seeds import SeededSamples
@@ -62,19 +61,15 @@ def start_epoch(loader: DataLoader, epoch: int, start: int = 0) -> None:
 
 
 def iterate_from(loader: DataLoader, start_batch: int, stop_batch: int | None = None,
-                 on_resume: Callable[[], None] | None = None, device: torch.device | None = None) -> Iterator:
+                 on_resume: Callable[[], None] | None = None) -> Iterator:
     """(batch_index, batch) pairs of an epoch whose loader starts at its `start_batch`-th batch
     (`start_epoch`'s start), numbered from there, up to `stop_batch` (the epoch's end by default).
     Nothing before the start is loaded: a sample's draws don't depend on what was loaded before it.
     `on_resume` runs just before the first batch is loaded (when to restore the RNG state); nothing
-    past `stop_batch` is loaded. With `device`, a batch whose images the workers handed over as uint8
-    (a dataset with an image_normalization) comes on the device, normalized (to_device).
+    past `stop_batch` is loaded. Batches come as the loader gives them: images that the workers
+    handed over as uint8 are normalized on the device by the training step (UpdateStep).
     """
     stop = start_batch + len(loader) if stop_batch is None else stop_batch
     if on_resume is not None:
         on_resume()
-    batches = itertools.islice(loader, max(stop - start_batch, 0))
-    normalization = getattr(loader.dataset, "image_normalization", None)
-    if device is not None and normalization is not None:
-        batches = (to_device(batch, device, normalization=normalization) for batch in batches)
-    yield from zip(range(start_batch, stop), batches)
+    yield from zip(range(start_batch, stop), itertools.islice(loader, max(stop - start_batch, 0)))

@@ -12,7 +12,7 @@ from torch.optim import lr_scheduler
 
 from ddp.config.schema import ConfigError
 from ddp.distributed.dtensor import is_sharded, local_tensor
-from ddp.loading.batches import to_device
+from ddp.loading.batches import BatchPlacement
 from ddp.training.ema import EMA
 
 AUTOCAST_DTYPES = {"32": None, "bf16": torch.bfloat16, "16": torch.float16}
@@ -27,8 +27,9 @@ class Diverged(RuntimeError):
 class UpdateStep:
     """One optimizer update from a group of micro-batches.
 
-    Every micro-batch: the batch to the device, the task's training step under autocast (by default
-    its batch transforms, MixUp/CutMix for classification, the forward and its loss; tasks/__init__.py),
+    Every micro-batch: the batch to the device (uint8 images from loader workers normalized there), the
+    task's training step under autocast (by default its batch transforms, MixUp/CutMix for classification,
+    the forward and its loss; tasks/__init__.py),
     the loss divided by the number of micro-batches in its group (the last group of an epoch may be
     shorter), backward (through the GradScaler for fp16).
     Under DDP the forward and backward of all but the group's last micro-batch run inside
@@ -45,7 +46,7 @@ class UpdateStep:
 
     def __init__(self, model: nn.Module, optimizer: torch.optim.Optimizer, *, task, precision: str,
                  scheduler: lr_scheduler.LRScheduler | None = None, clip_norm: float | None = None,
-                 ema: "EMA | None" = None, channels_last: bool = False):
+                 ema: "EMA | None" = None, placement: BatchPlacement = BatchPlacement()):
         self.model, self.optimizer, self.scheduler, self.ema = model, optimizer, scheduler, ema
         self.task = task  # its training_step (tasks/__init__.py)
         # batches go where the model computes: its parameters' device (DataParallel's first replica, a shard's)
@@ -67,7 +68,7 @@ class UpdateStep:
             # the schedule steps on a skipped update too, by design (above); torch warns about it once
             warnings.filterwarnings("ignore", message=r"Detected call of `lr_scheduler.step\(\)` before `optimizer.step\(\)`")
         self.clip_norm = clip_norm
-        self.memory_format = torch.channels_last if channels_last else torch.contiguous_format
+        self.placement = placement
         # 0 once a loss (or, without a scaler, a gradient norm) was not finite; read only where the
         # loop already waits for the device
         self.finite = torch.ones((), dtype=torch.int32, device=device)
@@ -81,7 +82,7 @@ class UpdateStep:
     def micro_step(self, batch, micro_index: int, group_size: int) -> torch.Tensor:
         """Forward and backward of one micro-batch (any nesting of tensors, ddp/loading/batches.py); the
         update itself after the group's last. Returns the loss; the task's extra terms are in `terms`."""
-        batch = to_device(batch, self.device, self.memory_format)
+        batch = self.placement(batch, self.device)
         last = micro_index == group_size - 1
         accumulate_locally = not last and isinstance(self.model, DistributedDataParallel)
         if is_sharded(self.model):
