@@ -227,6 +227,17 @@ class ShardReader:
                 self._prefetcher = Prefetcher(self.cache)
             self._prefetcher(urls)
 
+    def close(self) -> None:
+        """Close the shard files this process opened (a later read opens them again)."""
+        if self._pid == os.getpid():  # a forked child's copy of the dict names its parent's
+            while self._files:
+                os.close(self._files.popitem()[1])
+
+    def __del__(self) -> None:
+        # a dropped reader's descriptors are plain integers that nothing else closes: without this, each
+        # job of a sweep in one process (hydra -m) would keep its shards open, up to MAX_OPEN_SHARDS a job
+        self.close()
+
     def _in_this_process(self) -> None:
         if self._pid != os.getpid():  # a forked child: its parent's descriptors and thread are the parent's
             self._files, self._prefetcher, self._pid = collections.OrderedDict(), None, os.getpid()

@@ -412,7 +412,8 @@ def test_an_elastic_resume_on_shards_trains_every_sample_once(trained, tmp_path,
 def test_a_served_index_of_another_shard_is_one_line_and_a_process_keeps_few_shards_open(trained, tmp_path, monkeypatch):
     """A served index that doesn't fit its shard (another shard's) is found when the shard is first
     read: one line naming the index. And a reader keeps at most MAX_OPEN_SHARDS open (here 2 of 3),
-    reading every sample right as it reopens them."""
+    reading every sample right as it reopens them, and closes them when it is dropped (the jobs of a
+    sweep in one process would otherwise pile them up)."""
     import data.webdataset as webdataset
     from data.shard_cache import ShardCache
     from data.vision import BadSample
@@ -451,5 +452,7 @@ def test_a_served_index_of_another_shard_is_one_line_and_a_process_keeps_few_sha
     for index in [0, 30, 60, 1, 31, 61, 2]:  # shards 0, 1, 2, 0, 1, 2, 0
         assert reader[index][0] == expected[index]
         assert len(open_shards() - others) <= 2, open_shards() - others
+    del reader
+    assert not open_shards() - others
     with tarfile.open(trained["shards"] / "train-000002.tar") as archive:
         assert expected[60] == archive.extractfile("000000060.jpg").read()
