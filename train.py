@@ -15,7 +15,6 @@ import hydra
 import torch
 from hydra.core.hydra_config import HydraConfig
 from omegaconf import DictConfig
-from torch.distributed.elastic.multiprocessing.errors import record
 
 from data import build_datasets, report_skipped_samples
 from ddp.checkpoints.best import BestTracker, check_best_settings, objective_key
@@ -28,7 +27,7 @@ from ddp.distributed.fsdp import check_blocks
 from ddp.distributed.process_group import all_reduce_sum, process_group, releases_process_groups, replicas_identical, resolve_backend
 from ddp.distributed.syncbn import warn_if_syncbn_without_ddp
 from ddp.distributed.wrap import prepare_model, process_gpus, seed_this_rank
-from ddp.jobs.failures import end_failed_job, startup_passed
+from ddp.jobs.failures import end_failed_job, record, startup_passed
 from ddp.jobs.faults import SampleRecorder, slow_down
 from ddp.jobs.launch import launch_workers
 from ddp.jobs.preemption import StopOnSignal, resume_command

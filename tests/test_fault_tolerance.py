@@ -607,3 +607,36 @@ def test_extending_a_max_steps_run_is_bit_identical_to_running_that_long(stopped
             run_in_this_process([*EXTEND, f"trainer.max_steps={steps}", f"resume={extended}"], extended)
         assert f"at epoch 0, batch {start}, step {start}" in caplog.text, caplog.text
     assert_bit_identical(last_checkpoint(extended), exact_single_reference[1])
+
+
+def test_a_ranks_error_file_is_whole_or_absent_whenever_torchrun_may_read_it(tmp_path, monkeypatch):
+    """The traceback a failing rank records for torchrun (train.py's @record) is never seen empty or cut:
+    torch's own handler opens the file, emptying it, then writes, and torchrun, parsing an empty file of a
+    rank it stopped meanwhile, ended the job instead of restarting it. A thread records a large exception
+    over and over while this one reads the file: every read is torch's whole JSON, which torchrun parses."""
+    import threading
+
+    from torch.distributed.elastic.multiprocessing.errors import ProcessFailure
+
+    from ddp.jobs.failures import WholeErrorFile
+
+    error_file = tmp_path / "error.json"
+    monkeypatch.setenv("TORCHELASTIC_ERROR_FILE", str(error_file))
+    message = "x" * (4 << 20)
+    done = threading.Event()
+
+    def record_again_and_again() -> None:
+        handler = WholeErrorFile()
+        for _ in range(20):
+            handler.record_exception(RuntimeError(message))
+        done.set()
+
+    threading.Thread(target=record_again_and_again, daemon=True).start()
+    reads = 0
+    while not done.is_set():
+        if error_file.exists():
+            assert json.loads(error_file.read_text())["message"]["message"] == f"RuntimeError: {message}"
+            reads += 1
+    assert reads > 0
+    failure = ProcessFailure(local_rank=0, pid=1, exitcode=1, error_file=str(error_file))
+    assert failure.message["message"] == f"RuntimeError: {message}"

@@ -1,8 +1,10 @@
 """How a job ends when its run fails or is interrupted: a config error (its run dir put back as it was,
 and under torchrun one line for a refusal that every rank meets alike), divergence, a full disk or CUDA
 out of memory (with profiler.memory_history) as one line and exit 1, a sweep's job failing alone (without
-the frames that hold its run), a sweep under torchrun stopped at once."""
+the frames that hold its run), a sweep under torchrun stopped at once; a failing rank's traceback recorded
+for torchrun's error summary, whole or not at all."""
 
+import functools
 import logging
 import os
 import signal
@@ -12,6 +14,8 @@ from pathlib import Path
 
 from hydra.core.hydra_config import HydraConfig
 from hydra.types import RunMode
+from torch.distributed.elastic.multiprocessing.errors import ErrorHandler
+from torch.distributed.elastic.multiprocessing.errors import record as torch_record
 
 from ddp.checkpoints.checkpoint import DiskFull, checkpoint_dir
 from ddp.config.schema import ConfigError
@@ -24,6 +28,27 @@ from ddp.reporting.sweep_summary import record_failed_job
 from ddp.training.update import Diverged
 
 log = logging.getLogger("train")
+
+class WholeErrorFile(ErrorHandler):
+    """torch's error handler, its error file (a failing rank's traceback, for torchrun's summary) written
+    to a partial file and renamed into place. torch opens the file, emptying it, and then writes it: a rank
+    that torchrun stops in between (as it stops the others when one dies) leaves an empty file, and
+    torchrun, failing to parse it, ended instead of restarting the job (--max-restarts)."""
+
+    def record_exception(self, e: BaseException) -> None:
+        file = os.environ.get("TORCHELASTIC_ERROR_FILE")  # where torchrun reads it (torch's _get_error_file_path)
+        if not file:
+            return super().record_exception(e)
+        os.environ["TORCHELASTIC_ERROR_FILE"] = partial = f"{file}.partial"
+        try:
+            super().record_exception(e)
+        finally:
+            os.environ["TORCHELASTIC_ERROR_FILE"] = file
+        os.replace(partial, file)
+
+
+# torch's @record: a rank's uncaught exception goes to its error file, and torchrun's summary shows it
+record = functools.partial(torch_record, error_handler=WholeErrorFile())
 
 PASSED = "passed"  # a rank's startup outcome when no check refused it
 STARTUP_WAIT_S = 300.0  # how long a refused rank waits for the other ranks' startup outcomes
