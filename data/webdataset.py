@@ -184,13 +184,13 @@ class ShardReader:
     os.pread, so no descriptor or file offset is shared across processes."""
 
     def __init__(self, shards: list[str], indexes: list[dict], cache: ShardCache | None = None):
+        self._files: collections.OrderedDict[int, int] = collections.OrderedDict()  # first: what close() reads
+        self._prefetcher: Prefetcher | None = None
+        self._pid = os.getpid()
         self.shards, self.cache = shards, cache
         self.samples = [(shard_number, *sample) for shard_number, index in enumerate(indexes) for sample in index["samples"]]
         self.shard_sizes = [len(index["samples"]) for index in indexes]
         self.shard_bytes = [index["shard_bytes"] for index in indexes]
-        self._files: collections.OrderedDict[int, int] = collections.OrderedDict()
-        self._prefetcher: Prefetcher | None = None
-        self._pid = os.getpid()
 
     def __len__(self) -> int:
         return len(self.samples)

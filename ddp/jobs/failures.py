@@ -29,6 +29,7 @@ from ddp.training.update import Diverged
 
 log = logging.getLogger("train")
 
+
 class WholeErrorFile(ErrorHandler):
     """torch's error handler, its error file (a failing rank's traceback, for torchrun's summary) written
     to a partial file and renamed into place. torch opens the file, emptying it, and then writes it: a rank
