@@ -160,6 +160,7 @@ def test_imagefolder_trains_a_pretrained_torchvision_model_and_evaluates_its_tes
     the evaluation a launched multirun."""
     root = write_imagefolder(tmp_path / "images", classes=("cat", "dog", "eel"), per_class={"train": 8, "val": 4, "test": 5},
                              splits=("train", "val", "test"))
+    torch.manual_seed(0)  # the same stand-in weights every run
     weights = torchvision.models.resnet18(num_classes=1000).state_dict()
     # values no fresh initialisation has: BatchNorm counts of 1000 batches seen (fresh: 0), a stem scale of 5 (fresh: 1)
     for key in (key for key in weights if key.endswith("num_batches_tracked")):
