@@ -112,7 +112,8 @@ def release_requeued(job_id: str) -> dict[str, str]:
     def requeued() -> dict[str, str] | None:
         info = job_info(job_id)
         assert info["JobState"] in ACTIVE, f"job {job_id} ended without a requeue: {info['JobState']} {info['ExitCode']}"
-        return info if info["Restarts"] != "0" and info["JobState"] == "PENDING" else None
+        # the scheduler gives the requeued job its reason (the begin time) on its next pass, not at once
+        return info if info["Restarts"] != "0" and info["JobState"] == "PENDING" and info["Reason"] != "None" else None
 
     info = wait_for(requeued, f"requeue of job {job_id}")
     subprocess.run(["scontrol", "update", f"JobId={job_id}", "StartTime=now"], check=True)
