@@ -471,3 +471,43 @@ def test_workers_stack_large_tensors_into_ready_shared_memory_as_default_collate
             for ((first, second), ids, extra), ((first_e, second_e), ids_e, extra_e) in zip(batches, expected):
                 assert torch.equal(ids, ids_e) and torch.equal(first, first_e) and torch.equal(second, second_e)
                 assert torch.equal(extra["image"], extra_e["image"])
+
+
+class NoisyTensors(TensorDataset):
+    """A TensorDataset subclass with its own __getitem__, which draws: read sample by sample, and seeded."""
+
+    def __getitem__(self, index):
+        image, label = super().__getitem__(index)
+        return image + torch.rand(()), label
+
+
+@pytest.mark.parametrize("workers", [0, 2])
+def test_a_tensor_datasets_batches_are_default_collates_of_its_samples(workers):
+    """A TensorDataset's batches, which the main process indexes at once, are default_collate's stack of its
+    samples in the sampler's order (the last one shorter), in training and evaluation; a subclass with its own
+    __getitem__ is read through it, sample by sample, with the same draws at any worker count."""
+    from torch.utils.data import default_collate
+
+    from ddp.loading.collate import CollatedBatch
+
+    dataset = TensorDataset(torch.randn(11, 3, 4, 4), torch.arange(11) % 3, torch.arange(11, dtype=torch.uint8))
+    config = SimpleNamespace(batch_size=4, num_workers=workers)
+    for loader in (build_train_loader(dataset, config, DistEnv(rank=1, world_size=2), 0, False),
+                   build_val_loader(dataset, config, DistEnv(rank=1, world_size=2), False)):
+        if hasattr(loader.sampler, "set_epoch"):
+            start_epoch(loader, EPOCH)
+        expected = [default_collate([dataset[i] for i in ids]) for ids in loader.batch_sampler]
+        batches = list(loader)
+        assert [len(labels) for _, labels, _ in batches] == [len(labels) for _, labels, _ in expected] and len(batches) == 2
+        for batch, batch_expected in zip(batches, expected, strict=True):
+            assert type(batch) is list and all(torch.equal(a, b) and a.dtype == b.dtype for a, b in zip(batch, batch_expected))
+    assert isinstance(build_train_loader(dataset, config, DistEnv(), 0, False).dataset.__getitems__([5, 0]), CollatedBatch)
+
+    noisy = NoisyTensors(torch.zeros(11, 2), torch.arange(11))
+    loader = build_train_loader(noisy, config, DistEnv(), 0, False)
+    start_epoch(loader, EPOCH)
+    images = torch.cat([images for images, _ in loader])
+    assert images.unique().numel() == 11  # each sample's own draw, through its __getitem__
+    reference = build_train_loader(noisy, SimpleNamespace(batch_size=4, num_workers=1 - min(workers, 1)), DistEnv(), 0, False)
+    start_epoch(reference, EPOCH)
+    assert torch.equal(images, torch.cat([images for images, _ in reference]))

@@ -90,6 +90,13 @@ def _stack_in_worker(batch: list[torch.Tensor], collate_fn_map) -> torch.Tensor:
 COLLATE_FN_MAP = {**default_collate_fn_map, torch.Tensor: _collate_tensors}
 
 
+class CollatedBatch(list):
+    """A batch that its dataset put together itself (SeededSamples.__getitems__): `collate` passes it on as a list,
+    as default_collate would have made it of the batch's samples."""
+
+
 def collate(batch: list):
     """torch's default_collate, its large tensors stacked into ready shared memory in a loader worker."""
+    if isinstance(batch, CollatedBatch):
+        return list(batch)
     return torch_collate(batch, collate_fn_map=COLLATE_FN_MAP)

@@ -14,6 +14,8 @@ import numpy as np
 import torch
 from torch.utils.data import Dataset, TensorDataset, get_worker_info
 
+from ddp.loading.collate import CollatedBatch
+
 MASK_64 = (1 << 64) - 1
 VALIDATION_EPOCH = -1  # a split with no epochs: the same draws at every validation
 
@@ -37,16 +39,27 @@ class SeededSamples(Dataset):
     step draws from torch's (dropout, MixUp), so its state is put back after the sample; Python's and
     numpy's are left as the sample's draws leave them (the recipe draws nothing from them, and putting
     numpy's back would cost more than the seeding). A TensorDataset only indexes its tensors: it draws
-    nothing, and isn't seeded (about 15 us a sample, a tenth of a framework-bound step's time at batch 32)."""
+    nothing, and isn't seeded (about 15 us a sample, a tenth of a framework-bound step's time at batch 32); in the
+    main process its batches are indexed at once (__getitems__)."""
 
     def __init__(self, dataset: Dataset, seed: int, epoch: int = VALIDATION_EPOCH):
         self.dataset, self.seed, self.epoch = dataset, seed, epoch
         self.collate_fn = getattr(dataset, "collate_fn", None)  # the loaders' and one_sample_batch's
         self.image_normalization = getattr(dataset, "image_normalization", None)  # the loaders' workers' and to_device's
-        self.draws = not isinstance(dataset, TensorDataset)
+        self.draws = type(dataset) is not TensorDataset  # a subclass may draw in its own __getitem__
 
     def __len__(self) -> int:
         return len(self.dataset)
+
+    def __getitems__(self, indices: list[int]) -> list:
+        """A batch's samples, which the DataLoader hands to its collate_fn. A TensorDataset's, in the main process,
+        come as the batch itself: each tensor indexed once with the batch's indices, the values and layout of
+        default_collate's stack of the samples (32 samples of 3x16x16: about 60 us a batch, not 125). In a worker
+        they are collated as any samples are, into shared memory."""
+        if self.draws or get_worker_info() is not None:
+            return [self[index] for index in indices]
+        positions = torch.as_tensor(indices)
+        return CollatedBatch(tensor[positions] for tensor in self.dataset.tensors)
 
     def __getitem__(self, index: int):
         if not self.draws:
