@@ -251,6 +251,9 @@ def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--out", type=Path, default=REPO / "benchmarks" / "results", help="folder for the .md and .png")
     args = parser.parse_args()
+    # the project's packages for this process and every contender, also with a Python it isn't installed in (docs/gpus.md)
+    sys.path.insert(0, str(REPO))
+    os.environ["PYTHONPATH"] = os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")]))
     quick = os.environ.get("BENCH_QUICK", "0") == "1"
     settings = QUICK if quick else FULL
     chosen = contenders(settings, quick)
