@@ -57,6 +57,9 @@ QUICK = Settings(models=("small_cnn",), steps=4, warmup=2, repeats=1, image_size
 MODEL_OVERRIDES = {"tiny_cnn": ["model=small_cnn", "model.channels=[8,16]"], "small_cnn": ["model=small_cnn"],
                    "resnet18": ["model=resnet18"]}
 IMAGE_SIZES = {"tiny_cnn": 16}
+# tiny_cnn's steps take a few milliseconds: 20 of them are a tenth of a second, whose time moved by +-3.8 ms a step
+# from repeat to repeat on a 2-core machine (docs/performance.md); 300 resolve tenths of a millisecond
+TIMED_STEPS = {"tiny_cnn": 300}
 # Lightning's Trainer, with the optional extra (pip install -e '.[bench]'): benchmarks/lightning_ddp.py
 LIGHTNING = importlib.util.find_spec("lightning") is not None
 SCRIPTS = {"plain": "plain_ddp.py", "lightning": "lightning_ddp.py"}
@@ -104,11 +107,12 @@ def contenders(settings: Settings, quick: bool) -> list[Contender]:
 def command(contender: Contender, settings: Settings, run_dir: Path) -> list[str]:
     gpu = contender.model == "resnet50"
     batch, image_size = (256, 224) if gpu else (settings.batch_size, IMAGE_SIZES.get(contender.model, settings.image_size))
+    steps = TIMED_STEPS.get(contender.model, settings.steps)
     launcher = [str(TORCHRUN), "--standalone", f"--nproc_per_node={contender.processes}"]
     if contender.name in SCRIPTS:
-        return [*launcher, str(REPO / "benchmarks" / SCRIPTS[contender.name]), *contender.arguments, "--steps", str(settings.steps),
+        return [*launcher, str(REPO / "benchmarks" / SCRIPTS[contender.name]), *contender.arguments, "--steps", str(steps),
                 "--warmup", str(settings.warmup), "--batch-size", str(batch), "--image-size", str(image_size)]
-    samples = (settings.warmup + settings.steps) * batch * contender.processes  # one epoch of exactly that many steps
+    samples = (settings.warmup + steps) * batch * contender.processes  # one epoch of exactly that many steps
     overrides = [*contender.arguments, "data=synthetic", f"data.num_samples={samples}", f"data.num_val_samples={batch}",
                  f"data.image_size={image_size}", f"data.batch_size={batch}", "optim=adam", "trainer.max_epochs=1",
                  f"trainer.warmup_steps={settings.warmup}", "checkpoint.every_n_steps=0", f"hydra.run.dir={run_dir}"]
@@ -206,7 +210,7 @@ def report(chosen: list[Contender], settings: Settings, quick: bool, data_lines:
         "",
         f"{os.cpu_count()} CPUs ({platform.processor() or platform.machine()}), torch {torch.__version__}, "
         f"{'CUDA: ' + torch.cuda.get_device_name(0) if torch.cuda.is_available() else 'no GPU'}; "
-        f"one thread per process; {settings.warmup} warm-up + {settings.steps} timed steps of batch {settings.batch_size} "
+        f"one thread per process; {settings.warmup} warm-up + {settings.steps} timed steps (tiny_cnn: {TIMED_STEPS['tiny_cnn']}) of batch {settings.batch_size} "
         f"per process on synthetic 3x{settings.image_size}x{settings.image_size} images, Adam; {settings.repeats} "
         "interleaved repeats, median (min-max).",
         "",

@@ -66,6 +66,11 @@ def test_every_contender_of_the_full_bench_composes_and_its_ratios_come_out():
             argv = bench.command(contender, bench.FULL, Path("run"))
             overrides = [arg for arg in argv[argv.index(str(REPO / "train.py")) + 1:] if not arg.startswith("hydra.")]
             validate(compose("config", overrides=overrides), launched=contender.processes > 1, world_size=contender.processes)
+    for contender in (c for c in chosen if c.model == "tiny_cnn"):  # steps of milliseconds: 300 timed, every contender
+        argv = bench.command(contender, bench.FULL, Path("run"))
+        samples = next((int(arg.split("=")[1]) for arg in argv if arg.startswith("data.num_samples=")), None)
+        timed = int(argv[argv.index("--steps") + 1]) if samples is None else samples // (2 * bench.FULL.batch_size) - bench.FULL.warmup
+        assert timed == 300, (contender.name, argv)
     for index, contender in enumerate(chosen):  # distinct throughputs: 100, 110, 120, ...; bytes 1000, 1100, ...
         contender.throughput, contender.wall, contender.state_bytes = [100.0 + 10 * index], [10.0 + index], [1000 + 100 * index]
     found = {(c.name, c.model): c for c in chosen}
