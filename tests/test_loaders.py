@@ -481,11 +481,16 @@ class NoisyTensors(TensorDataset):
         return image + torch.rand(()), label
 
 
+def count_samples(samples: list) -> list:
+    return [len(samples), *samples[0]]
+
+
 @pytest.mark.parametrize("workers", [0, 2])
 def test_a_tensor_datasets_batches_are_default_collates_of_its_samples(workers):
     """A TensorDataset's batches, which the main process indexes at once, are default_collate's stack of its
-    samples in the sampler's order (the last one shorter), in training and evaluation; a subclass with its own
-    __getitem__ is read through it, sample by sample, with the same draws at any worker count."""
+    samples in the sampler's order (the last one shorter), in training and evaluation; a collate_fn of its own gets
+    samples; a subclass with its own __getitem__ is read through it, sample by sample, with the same draws at any
+    worker count."""
     from torch.utils.data import default_collate
 
     from ddp.loading.collate import CollatedBatch
@@ -502,6 +507,8 @@ def test_a_tensor_datasets_batches_are_default_collates_of_its_samples(workers):
         for batch, batch_expected in zip(batches, expected, strict=True):
             assert type(batch) is list and all(torch.equal(a, b) and a.dtype == b.dtype for a, b in zip(batch, batch_expected))
     assert isinstance(build_train_loader(dataset, config, DistEnv(), 0, False).dataset.__getitems__([5, 0]), CollatedBatch)
+    dataset.collate_fn = count_samples  # a dataset's own collate_fn gets samples
+    assert [batch[0] for batch in build_val_loader(dataset, config, DistEnv(), False)] == [4, 4, 3]
 
     noisy = NoisyTensors(torch.zeros(11, 2), torch.arange(11))
     loader = build_train_loader(noisy, config, DistEnv(), 0, False)

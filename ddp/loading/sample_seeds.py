@@ -54,9 +54,9 @@ class SeededSamples(Dataset):
     def __getitems__(self, indices: list[int]) -> list:
         """A batch's samples, which the DataLoader hands to its collate_fn. A TensorDataset's, in the main process,
         come as the batch itself: each tensor indexed once with the batch's indices, the values and layout of
-        default_collate's stack of the samples (32 samples of 3x16x16: about 60 us a batch, not 125). In a worker
-        they are collated as any samples are, into shared memory."""
-        if self.draws or get_worker_info() is not None:
+        default_collate's stack of the samples (32 samples of 3x16x16: about 60 us a batch, not 125). In a worker,
+        or for a dataset's own collate_fn, they are samples, as for any dataset."""
+        if self.draws or self.collate_fn is not None or get_worker_info() is not None:
             return [self[index] for index in indices]
         positions = torch.as_tensor(indices)
         return CollatedBatch(tensor[positions] for tensor in self.dataset.tensors)
