@@ -26,7 +26,9 @@ import torch
 
 REPO = Path(__file__).resolve().parents[2]
 TRAIN = REPO / "train.py"
-TORCHRUN = [sys.executable, "-m", "torch.distributed.run"]
+# --standalone: a free port for torchrun's store. Without it torch 2.11's torchrun takes port 29500, so a gpu-check
+# beside another job that holds it (or beside a second gpu-check) fails with EADDRINUSE (seen on an H200)
+TORCHRUN = [sys.executable, "-m", "torch.distributed.run", "--standalone"]
 # Small and quick, with BatchNorm, dropout and random augmentation where a check needs them.
 TINY = ["data=synthetic", "data.num_samples=256", "data.num_val_samples=64", "data.image_size=16", "model.channels=[16,32]"]
 WATCHED = REPO / "tests" / "gpu" / "watched_train.py"
