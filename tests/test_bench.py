@@ -109,6 +109,8 @@ def test_every_contender_of_the_full_bench_composes_and_its_ratios_come_out():
         what = f"logger=[tensorboard,{tracker}] / tensorboard, %s, small_cnn, 2 ranks"
         assert float(rows[what % "throughput"]) == pytest.approx(with_it.throughput[0] / ddp.throughput[0], abs=5e-4)
         assert float(rows[what % "whole-process wall time"]) == pytest.approx(with_it.wall[0] / ddp.wall[0], abs=5e-4)
+    assert float(rows["logger=[tensorboard,mlflow] / tensorboard, whole-process wall time, small_cnn, 1 process, a core to spare"]
+                 ) == pytest.approx(found["single +mlflow", "small_cnn"].wall[0] / found["single", "small_cnn"].wall[0], abs=5e-4)
     assert float(rows["per-sample seeding: loader images/s, seeded / unseeded"]) == pytest.approx(0.98, abs=5e-4)
     assert float(rows["resume cost: launch to first update, 90% / 10% into an epoch"]) == pytest.approx(1.05, abs=5e-4)
     for name in ("local shards, 1 worker", "HTTP shards, warm cache, 1 worker"):

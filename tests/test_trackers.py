@@ -19,7 +19,7 @@ from pathlib import Path
 import pytest
 from omegaconf import OmegaConf
 
-from conftest import REPO, TINY, TORCHRUN, TRAIN, check, config_error_in_this_process, free_port, launch, shared_run
+from conftest import REPO, TINY, TORCHRUN, TRAIN, check, config_error_in_this_process, free_port, launch, run_dirs, shared_run
 from test_bad_input import assert_no_run_dir_left
 from tracker_records import float32, mlflow_client, mlflow_runs, mlflow_runs_of, tensorboard_scalars, wandb_history, wandb_records
 
@@ -102,7 +102,7 @@ def test_a_torchrun_run_restarted_and_resumed_is_one_mlflow_run_with_tensorboard
 
 
 def test_the_training_does_not_wait_for_the_trackers_to_start(runs):
-    """The trackers start on a thread of their own: the first attempt had logged its first step to TensorBoard
+    """The trackers start in a process of their own: the first attempt had logged its first step to TensorBoard
     before MLflow's import and store (seconds, which the loop used to wait for) let it create the MLflow run."""
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
@@ -220,6 +220,39 @@ def test_make_mlflow_ui_serves_the_store_and_its_page_lists_the_runs(runs):
                 assert names and (runs["run_dir"].name in names if experiment == "hydra-ddp" else len(names) == 2)
         finally:
             browser.quit()
+
+
+def test_mlflow_runs_outside_the_training_process_and_a_ctrl_c_still_ends_its_run_with_every_step(tmp_path):
+    """The trackers run in a process of their own (ddp/reporting/tracker_process.py): the training's never imports
+    MLflow. A terminal's Ctrl-C, which goes to the whole process group, stops the training at a step boundary
+    with a checkpoint; the tracker process, in a session of its own, still gets the last steps and ends the run."""
+    overrides = [*TINY, "trainer.max_epochs=10", "fault.slow_rank=0", "fault.slow_ms=150", "trainer.log_every_n_steps=1",
+                 "logger=[tensorboard,mlflow]"]  # 160 steps of 150 ms: the training outlasts MLflow's start on a busy machine
+    code = ("import atexit, runpy, sys\n"
+            "atexit.register(lambda: print('mlflow imported by the training:', 'mlflow' in sys.modules, flush=True))\n"
+            f"sys.argv = {[str(TRAIN), *overrides]!r}\n"
+            "runpy.run_path(sys.argv[0], run_name='__main__')\n")
+    training = subprocess.Popen([sys.executable, "-c", code], cwd=tmp_path, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                                text=True, start_new_session=True, env=os.environ | {"PYTHONUNBUFFERED": "1"})
+    output = []
+    for line in training.stdout:  # the MLflow run exists, so its store has its tables: this test's client may read it
+        output.append(line)
+        if "mlflow: run " in line:
+            break
+    store = tmp_path / "outputs" / "mlflow.db"
+    while not any("train/loss" in run.data.metrics for run in mlflow_runs(store)):
+        assert training.poll() is None, "".join(output)
+        time.sleep(0.2)
+    os.killpg(training.pid, signal.SIGINT)  # as a terminal's Ctrl-C: to every process of the foreground group
+    rest, _ = training.communicate(timeout=120)
+    output = "".join(output) + rest
+    assert training.returncode == 130 and "interrupted at step" in output, output[-4000:]
+    assert "mlflow imported by the training: False" in output, output[-4000:]
+    (run_dir,) = run_dirs(tmp_path)
+    (run,) = mlflow_runs_of(store, run_dir)
+    assert run.info.status == "FAILED"  # ended, as an interrupted run's tracker runs are
+    steps = sorted(m.step for m in mlflow_client(store).get_metric_history(run.info.run_id, "train/loss"))
+    assert steps == sorted(tensorboard_scalars(run_dir)["train/loss"]) and 1 < len(steps) < 160, steps
 
 
 # --- a tracker's own failure ------------------------------------------------------------------------------

@@ -11,6 +11,7 @@ import time
 from collections.abc import Iterable, Iterator
 
 import torch
+from omegaconf import OmegaConf
 from tqdm import tqdm
 
 from ddp.distributed.process_group import gather_per_rank
@@ -18,7 +19,8 @@ from ddp.jobs.faults import inject_fault
 from ddp.reporting.meter import ComputeTimer, ThroughputMeter, peak_memory, straggler_stats
 from ddp.reporting.profiling import StepProfiler, dump_memory_snapshot, marked_batches
 from ddp.reporting.rank_zero import RankZeroWriter
-from ddp.reporting.trackers import PointJournal, TrackedRun, TrackerThread, open_trackers, picked
+from ddp.reporting.tracker_process import TrackerProcess
+from ddp.reporting.trackers import PointJournal, TrackedRun, picked
 from ddp.run_context import RunContext
 
 log = logging.getLogger("train")  # the run's own console lines, under the script's name
@@ -56,10 +58,10 @@ class RunMonitor:
         logger, trackers, journal = self.cfg.logger, [], None
         if self.env.is_main and [name for name in picked(logger) if name != "tensorboard"]:
             journal = PointJournal(self.run_dir, self.purge_step)
-            # started, fed and ended on their own thread, so the loop doesn't wait for them (docs/tracking.md, Cost);
-            # the thread reads a copy of the config: OmegaConf isn't made for reads from two threads at once
+            # started, fed and ended in a process of their own, so the loop doesn't wait for them (docs/tracking.md, Cost);
+            # its thread reads a copy of the config: OmegaConf isn't made for reads from two threads at once
             cfg, run_dir, earlier = copy.deepcopy(self.cfg), self.run_dir, journal.earlier
-            trackers = [TrackerThread(lambda: open_trackers(cfg.logger, TrackedRun.of(cfg, run_dir), earlier))]
+            trackers = [TrackerProcess(lambda: (OmegaConf.to_container(cfg.logger, resolve=True), TrackedRun.of(cfg, run_dir), earlier))]
         self.writer = self._exit_stack.enter_context(RankZeroWriter(
             self.run_dir, self.env, purge_step=self.purge_step, tensorboard="tensorboard" in picked(logger), trackers=trackers,
             journal=journal))

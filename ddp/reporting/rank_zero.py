@@ -5,14 +5,15 @@ import json
 import logging
 import os
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-from ddp.distributed.env import DistEnv
+if TYPE_CHECKING:  # not imported: the trackers' own process (tracker_process.py) imports this module, and not torch
+    from ddp.distributed.env import DistEnv
 
 log = logging.getLogger("train")
 
 
-def quiet_console_on_other_ranks(env: DistEnv) -> None:
+def quiet_console_on_other_ranks(env: "DistEnv") -> None:
     """Other ranks keep INFO in their own log file but print only warnings, so the console reads as one run."""
     if env.is_main:
         return
@@ -45,7 +46,7 @@ class RankZeroWriter:
 
     A tracker that fails is named in one line and dropped; the run and its own files go on."""
 
-    def __init__(self, log_dir: Path, env: DistEnv, purge_step: int | None = None, *, tensorboard: bool = True,
+    def __init__(self, log_dir: Path, env: "DistEnv", purge_step: int | None = None, *, tensorboard: bool = True,
                  trackers: list | None = None, journal=None):
         self.writer = None
         self.trackers = list(trackers or []) if env.is_main else []

@@ -11,8 +11,8 @@ Values are buffered and sent at `commit` (RunMonitor commits after each log step
 validation's values). A tracker's own failure mid-run is logged in one line and that tracker stops;
 the run and its own files (checkpoints, results.json, TensorBoard) go on.
 
-The trackers start, send and end on a thread of their own (TrackerThread): MLflow's import and store take
-seconds, which the training no longer waits for.
+The trackers start, send and end in a process of their own (tracker_process.py): MLflow's import and
+store take seconds of Python, which the training neither waits for nor shares Python's lock with.
 """
 
 import contextlib
@@ -21,17 +21,15 @@ import importlib.util
 import json
 import logging
 import os
-import queue
 import struct
-import threading
 import time
 import urllib.error
 import urllib.request
-from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+import numpy
 from omegaconf import DictConfig, OmegaConf
 
 from ddp.config.schema import ConfigError
@@ -242,47 +240,6 @@ def open_trackers(logger_cfg: DictConfig, run: TrackedRun, earlier_points: list[
     return trackers
 
 
-class TrackerThread:
-    """The trackers on a thread of their own, to RankZeroWriter one tracker: each call is queued and returns at
-    once, and the thread opens the trackers (`open_them`, e.g. open_trackers), then makes the calls in their
-    order. So their start (MLflow's import and SQLite store: seconds), each send and a slow server overlap the
-    training instead of holding it up. `close` waits until everything queued is sent and the runs are ended.
-    The main thread journals each commit before queueing it (RankZeroWriter.commit): a process killed with
-    calls still queued loses nothing that a continued run doesn't send again."""
-
-    name = "trackers"
-
-    def __init__(self, open_them: Callable[[], list]):
-        self.calls: queue.SimpleQueue = queue.SimpleQueue()
-        # a daemon: should the writer never be closed, the process still exits instead of waiting on the queue
-        self.thread = threading.Thread(target=self._run, args=(open_them,), name="trackers", daemon=True)
-        self.thread.start()
-
-    def _run(self, open_them: Callable[[], list]) -> None:
-        trackers = open_them()
-        while True:
-            call, args = self.calls.get()
-            call_each(trackers, call, *args)
-            if call == "close":
-                return
-
-    def add_scalar(self, tag: str, value: float, step: int) -> None:
-        self.calls.put(("add_scalar", (tag, float(value), step)))
-
-    def commit(self) -> None:
-        self.calls.put(("commit", ()))
-
-    def add_image(self, tag: str, image, step: int) -> None:
-        self.calls.put(("add_image", (tag, image.detach().to("cpu", copy=True), step)))  # a copy: the caller may reuse it
-
-    def add_params(self, params: dict[str, Any]) -> None:
-        self.calls.put(("add_params", (dict(params),)))
-
-    def close(self, failed: bool) -> None:
-        self.calls.put(("close", (failed,)))
-        self.thread.join()
-
-
 class Tracker:
     """Buffers (tag, value, step) points, skips those the tracker has already, sends them at commit."""
 
@@ -309,7 +266,7 @@ class Tracker:
         raise NotImplementedError
 
     def add_image(self, tag: str, image, step: int) -> None:
-        """`image`: 3 x H x W floats in [0, 1]."""
+        """`image`: 3 x H x W floats in [0, 1], an array or a CPU tensor."""
 
     def add_params(self, params: dict[str, Any]) -> None:
         """The hparams (TensorBoard's HParams row); the config's are given at start."""
@@ -423,7 +380,7 @@ class MLflowTracker(Tracker):
             self.client.log_batch(self.run_id, metrics=metrics[start:start + 1000])
 
     def add_image(self, tag: str, image, step: int) -> None:
-        self.client.log_image(self.run_id, image.permute(1, 2, 0).cpu().numpy(), artifact_file=f"{tag}/step_{step:08d}.png")
+        self.client.log_image(self.run_id, numpy.asarray(image).transpose(1, 2, 0), artifact_file=f"{tag}/step_{step:08d}.png")
 
     def end(self, failed: bool) -> None:
         self.client.set_terminated(self.run_id, status="FAILED" if failed else "FINISHED")
@@ -467,7 +424,7 @@ class WandbTracker(Tracker):
         import wandb
 
         if not self.has(tag, step):
-            self.wandb_run.log({tag: wandb.Image(image.permute(1, 2, 0).cpu().numpy())}, step=step)
+            self.wandb_run.log({tag: wandb.Image(numpy.asarray(image).transpose(1, 2, 0))}, step=step)
 
     def add_params(self, params: dict[str, Any]) -> None:
         self.wandb_run.config.update({f"hparams/{key}": value for key, value in params.items()}, allow_val_change=True)
