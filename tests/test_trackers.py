@@ -291,6 +291,42 @@ def test_an_mlflow_server_gone_mid_run_is_one_line_and_the_run_and_its_files_go_
     assert (run_dir / "checkpoints" / "last.pt").exists()
 
 
+def _children(pid: int) -> dict[int, str]:
+    """The processes whose parent is `pid`, with their command lines, from /proc."""
+    children = {}
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        with contextlib.suppress(OSError):
+            if int(stat.read_text().rsplit(")", 1)[1].split()[1]) == pid:
+                children[int(stat.parent.name)] = (stat.parent / "cmdline").read_bytes().replace(b"\0", b" ").decode()
+    return children
+
+
+def test_the_tracker_process_killed_mid_run_is_one_line_and_the_run_and_its_files_go_on(tmp_path):
+    """The trackers' process killed (as the out-of-memory killer would) once MLflow has its run: one line,
+    and the run ends as it would without it: every step in TensorBoard, results.json, the checkpoint."""
+    slow = ["trainer.max_epochs=4", "fault.slow_rank=0", "fault.slow_ms=150"]  # 64 steps: seconds left after MLflow's start
+    training = subprocess.Popen([sys.executable, str(TRAIN), *TINY, *slow, "trainer.log_every_n_steps=1", "logger=[tensorboard,mlflow]"],
+                                cwd=tmp_path, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                                env=os.environ | {"PYTHONUNBUFFERED": "1"})
+    output = []
+    for line in training.stdout:
+        output.append(line)
+        if "mlflow: run " in line:
+            break
+    (tracker_process,) = [pid for pid, command in _children(training.pid).items() if "ddp.reporting.tracker_process" in command]
+    os.kill(tracker_process, signal.SIGKILL)
+    rest, _ = training.communicate(timeout=300)
+    output = "".join(output) + rest
+    assert training.returncode == 0, output[-6000:]
+    warnings = [line for line in output.splitlines() if "[WARNING]" in line and "fault.slow_rank" not in line]
+    assert len(warnings) == 1 and "the trackers' process ended early (" in warnings[0], output[-6000:]
+    assert warnings[0].endswith("they log nothing more; the run and its files go on") and "Traceback" not in output
+    (run_dir,) = run_dirs(tmp_path)
+    assert json.loads((run_dir / "results.json").read_text())["steps"] == 64
+    assert sorted(tensorboard_scalars(run_dir)["train/loss"]) == list(range(1, 65))
+    assert (run_dir / "checkpoints" / "last.pt").exists()
+
+
 # --- bad settings: one line each, before anything starts ------------------------------------------------
 
 def test_an_unreachable_mlflow_server_is_one_line_before_anything_starts(tmp_path, monkeypatch):
