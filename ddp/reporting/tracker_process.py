@@ -72,6 +72,11 @@ class TrackerProcess:
         self.receiver.start()
         try:
             call = ("open", (*opening(), sys.argv))
+        except BaseException:  # the process is told to end (else rank 0's close would wait for it), and the error goes on
+            with contextlib.suppress(OSError):
+                self.connection.send(("close", (True,)))
+            raise
+        try:
             while call[0] != "close":
                 self.connection.send(call)
                 call = self.calls.get()
@@ -79,10 +84,6 @@ class TrackerProcess:
         except OSError as error:  # the process is gone (killed)
             log.warning("the trackers' process ended early (%s): they log nothing more; the run and its files go on",
                         one_line(error))
-        except BaseException:  # the opening failed here: the process is told to end, and the error goes on
-            with contextlib.suppress(OSError):
-                self.connection.send(("close", (True,)))
-            raise
 
     def _receive(self) -> None:
         """The process's log records, until its None that says the runs are ended (or until it is gone)."""
