@@ -10,9 +10,9 @@ their order, and sends its log records back to rank 0, whose handlers (console, 
 It runs in a session of its own, out of reach of the signals sent to rank 0's process group (torchrun's
 SIGTERM when a rank fails, a terminal's Ctrl-C), and ignores from its start the signals that SLURM and
 submitit send to every process of a job (SIGTERM, the requeue's SIGUSR1 or SIGUSR2): rank 0 stops at
-its step boundary and then ends the tracker runs through it. Should rank 0 die
-without ending them, its socket closes and this process exits at once, as the thread died with it:
-the journal (trackers.PointJournal) covers the points it missed.
+its step boundary and then ends the tracker runs through it. Should rank 0 die without ending them,
+its socket closes and this process exits at once, as a thread of rank 0 would have died with it: the
+journal (trackers.PointJournal) covers the points it missed.
 """
 
 import contextlib
