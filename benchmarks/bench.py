@@ -98,7 +98,8 @@ def contenders(settings: Settings, quick: bool) -> list[Contender]:
                                                               *settings_of_tracker])
                        for tracker, settings_of_tracker in (("mlflow", []), ("wandb", ["logger.wandb.mode=offline"]))]
             # and MLflow's where a core is left for the trackers' process, as on a GPU node: 2 ranks take both of 2 cores
-            chosen.append(Contender("single +mlflow", model, 1, [*MODEL_OVERRIDES[model], "strategy=single", "logger=[tensorboard,mlflow]"]))
+            chosen.append(Contender("single +mlflow", model, 1,
+                                    [*MODEL_OVERRIDES[model], "strategy=single", "logger=[tensorboard,mlflow]"]))
     if torch.cuda.is_available():  # one GPU: resnet50 at batch 256 in bf16, channels_last; DDP at world size 1
         gpu = ["model=torchvision", "model.name=resnet50", "precision=bf16", "channels_last=true"]
         chosen += [Contender("gpu single", "resnet50", 1, ["strategy=single", *gpu]),
@@ -193,8 +194,9 @@ def ratios(found: dict[tuple[str, str], Contender], batch_size: int) -> list[tup
                          median(contender.wall) / median(found["ddp", "small_cnn"].wall),
                          "<= 1.05" if tracker == "mlflow" else "for the record"))
     if ("single +mlflow", "small_cnn") in found:
+        with_it, without = found["single +mlflow", "small_cnn"], found["single", "small_cnn"]
         rows.append(("logger=[tensorboard,mlflow] / tensorboard, whole-process wall time, small_cnn, 1 process, a core to spare",
-                     median(found["single +mlflow", "small_cnn"].wall) / median(found["single", "small_cnn"].wall), "<= 1.05"))
+                     median(with_it.wall) / median(without.wall), "<= 1.05"))
     if ("gpu ddp x1", "resnet50") in found:
         rows.append(("GPU: DDP at world size 1 / single, resnet50", throughput("gpu ddp x1", "resnet50") / throughput("gpu single", "resnet50"), ">= 0.97"))
     return rows
