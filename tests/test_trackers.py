@@ -304,7 +304,8 @@ def _children(pid: int) -> dict[int, str]:
 def test_the_tracker_process_killed_mid_run_is_one_line_and_the_run_and_its_files_go_on(tmp_path):
     """The trackers' process killed (as the out-of-memory killer would) once MLflow has its run: one line,
     and the run ends as it would without it: every step in TensorBoard, results.json, the checkpoint."""
-    slow = ["trainer.max_epochs=4", "fault.slow_rank=0", "fault.slow_ms=150"]  # 64 steps: seconds left after MLflow's start
+    # 64 steps of 300 ms: seconds of training left after MLflow's start, which has taken 11 s on a loaded 2-core machine
+    slow = ["trainer.max_epochs=4", "fault.slow_rank=0", "fault.slow_ms=300"]
     training = subprocess.Popen([sys.executable, str(TRAIN), *TINY, *slow, "trainer.log_every_n_steps=1", "logger=[tensorboard,mlflow]"],
                                 cwd=tmp_path, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
                                 env=os.environ | {"PYTHONUNBUFFERED": "1"})
