@@ -140,8 +140,8 @@ def input_pipeline(root: Path, settings: DataSettings, scratch: Path) -> dict[st
     repeat's contenders interleaved. A loader's rate is its steady state: counted once each worker
     has delivered its first batch (a worker's start, once an epoch, is left out as the limit has
     none), to its last; each repeat reads a fresh epoch's order, `loader_images` images in all. The
-    limit, measured just before and just after each contender (this machine's speed drifts; their
-    mean), decodes the first third of those images of the first repeat's epoch."""
+    limit decodes and transforms the very images that the contender counted, half of them just before
+    it and half just after (this machine's speed drifts by a third within minutes)."""
     from data.presets import imagefolder_transforms
     from data.encoded import decode_image
     from data.shards import convert
@@ -166,33 +166,36 @@ def input_pipeline(root: Path, settings: DataSettings, scratch: Path) -> dict[st
         storages["hf Arrow"] = lambda cache: ("hf", {"path": str(hf_folder)})
     transform, _, normalization = imagefolder_transforms(settings.pipeline_size, "standard", 0.0, "bilinear")
     normalization.deferred = True  # the limit does a loader worker's work: images to uint8, normalized on the device
-    files = sorted((root / "train").glob("*/*.jpg"))  # ImageFolder's order
-    in_memory = [files[index].read_bytes() for index in epoch_order(len(files), seed=0, epoch=1)[:settings.loader_images // 3]]
+    # ImageFolder's order, which the shards and the Arrow table keep: sample i of every storage is files[i]
+    encoded = [path.read_bytes() for path in sorted((root / "train").glob("*/*.jpg"))]
 
-    def limit() -> float:
+    def limit_seconds(indices: list[int]) -> float:
         started = time.perf_counter()
-        for data in in_memory:
-            transform(decode_image(data))
-        return len(in_memory) / (time.perf_counter() - started)
+        for index in indices:
+            transform(decode_image(encoded[index]))
+        return time.perf_counter() - started
 
-    def loader_rate(storage: str, workers: int, epoch: int) -> float:
+    def measure(storage: str, workers: int, epoch: int) -> tuple[float, float]:
+        """(the loader's images/s, the limit's on the images it counted)."""
         name = storage.split(",")[0]
         if name not in storages:
-            return float("nan")
+            return float("nan"), float("nan")
         cache = scratch / (f"cold-{epoch}" if "cold" in storage else "warm")
         option, keys = storages[name](cache)
-        return images_per_second(build_split(option, keys, settings.pipeline_size), workers, epoch, settings,
-                                 SHARD_WINDOW if "shards" in storage else 0)
+        dataset, window = build_split(option, keys, settings.pipeline_size), SHARD_WINDOW if "shards" in storage else 0
+        counted = epoch_order(len(dataset), 0, epoch, dataset.shard_sizes if window else None, window)[
+            workers * settings.batch_size:settings.loader_images // settings.batch_size * settings.batch_size]
+        seconds = limit_seconds(counted[::2])
+        rate = images_per_second(dataset, workers, epoch, settings, window)
+        return rate, len(counted) / (seconds + limit_seconds(counted[1::2]))
 
     try:
-        loader_rate("HTTP shards, warm cache", 1, epoch=0)  # fills the warm cache; the files into the page cache
-        loader_rate("files", 1, epoch=0)
+        measure("HTTP shards, warm cache", 1, epoch=0)  # fills the warm cache; the files into the page cache
+        measure("files", 1, epoch=0)
         found: dict[str, list[tuple[float, float]]] = {pipeline_name(*contender): [] for contender in PIPELINE}
         for repeat in range(settings.repeats):
             for storage, workers in PIPELINE[::1 if repeat % 2 else -1]:
-                before = limit()
-                rate = loader_rate(storage, workers, epoch=repeat + 1)
-                found[pipeline_name(storage, workers)].append((rate, (before + limit()) / 2))
+                found[pipeline_name(storage, workers)].append(measure(storage, workers, epoch=repeat + 1))
     finally:
         server.shutdown()
     return found
@@ -283,7 +286,7 @@ def report(seeding: dict[str, list[float]], resumes: dict[str, list[float]], pip
               f"{settings.loader_images} images a measurement, from each worker's first batch on, tar shards of "
               f"{settings.samples_per_shard} with data.shuffle_window={SHARD_WINDOW}; the limit: their decode and transform "
               "to the uint8 images a worker hands over (the rank normalizes them on its device) from bytes in memory, in "
-              "one process, measured just before and just after each contender, which is reported against their mean "
+              "one process, of the very images each contender counted, half just before it and half just after "
               "(the median of the repeats' ratios).", "",
               "| input | images/s | / limit |", "|---|---|---|",
               f"| limit: decode + transform to uint8 in memory, one process | {cell(limits, 1)} | 1.000 |"]

@@ -6,6 +6,7 @@ import logging
 from pathlib import Path
 
 import torch
+from PIL import Image
 from torchvision import datasets
 
 from data import DataSplits
@@ -27,6 +28,16 @@ class BadSample(ConfigError):
         super().__init__(message.rstrip().splitlines()[-1].removeprefix(f"{type(self).__module__}.{type(self).__qualname__}: "))
 
 
+def rgb_image(file) -> Image.Image:
+    """The image in `file` (a path or a binary file object) as RGB: the pixels of torchvision's default
+    ImageFolder loader (PIL's open, then convert("RGB")), without the copy that convert makes of an
+    image already RGB (a decoded 500x375 JPEG: 560 KB, 30 us in a long-lived process, about 70 in a
+    loader worker)."""
+    with Image.open(file) as image:
+        image.load()
+        return image if image.mode == "RGB" else image.convert("RGB")
+
+
 class CheckedImageFolder(datasets.ImageFolder):
     """An ImageFolder split whose unreadable files (truncated, empty, not an image) either stop the run
     with one line naming the file and its index, or are replaced by the next readable sample of the
@@ -35,7 +46,7 @@ class CheckedImageFolder(datasets.ImageFolder):
     index; it lives in shared memory, so DataLoader workers' flags reach this process."""
 
     def __init__(self, root: str, transform, split: str, on_bad_sample: str):
-        super().__init__(root, transform=transform)
+        super().__init__(root, transform=transform, loader=rgb_image)
         self.split, self.on_bad_sample = split, on_bad_sample
         self.skipped = torch.zeros(len(self.samples), dtype=torch.uint8).share_memory_()
 

@@ -2,6 +2,7 @@
 module, and this one costs milliseconds where a test module (with all that it imports) costs seconds."""
 
 import random
+import resource
 
 import numpy as np
 import torch
@@ -39,3 +40,21 @@ class LargeViews(Dataset):
         generator = torch.Generator().manual_seed(index)
         views = [torch.randint(0, 256, (3, 320, 320), dtype=torch.uint8, generator=generator) for _ in range(3)]
         return (views[0], views[1]), index, {"image": views[2]}
+
+
+class PageFaults(Dataset):
+    """`dataset`'s samples; `faults[i]`: the minor page faults that the thread loading sample i took while
+    it loaded it (shared memory, as the loader's workers are other processes)."""
+
+    def __init__(self, dataset: Dataset):
+        self.dataset, self.image_normalization = dataset, dataset.image_normalization
+        self.faults = torch.full((len(dataset),), -1, dtype=torch.int64).share_memory_()
+
+    def __len__(self) -> int:
+        return len(self.dataset)
+
+    def __getitem__(self, index):
+        before = resource.getrusage(resource.RUSAGE_THREAD).ru_minflt
+        sample = self.dataset[index]
+        self.faults[index] = resource.getrusage(resource.RUSAGE_THREAD).ru_minflt - before
+        return sample

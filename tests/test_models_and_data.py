@@ -209,6 +209,28 @@ def test_eval_resizes_to_crop_over_0_875_then_centre_crops():
     assert (list(resize.size), list(crop.size)) == ([256], [224, 224])
 
 
+def test_images_decode_to_the_pixels_of_torchvisions_imagefolder_loader(tmp_path):
+    """An image file or its bytes decode as torchvision's default ImageFolder loader reads the file: the same
+    RGB pixels, whatever the file's own mode (an RGB image is kept as decoded rather than copied)."""
+    from torchvision.datasets.folder import pil_loader
+
+    from data.encoded import decode_image
+    from data.vision import CheckedImageFolder, rgb_image
+
+    pixels = np.random.default_rng(0).integers(0, 256, (30, 40, 4), dtype=np.uint8)
+    images = {"rgb.jpg": Image.fromarray(pixels[..., :3]), "cmyk.jpg": Image.fromarray(pixels, "CMYK"),
+              "gray.png": Image.fromarray(pixels[..., 0]), "rgba.png": Image.fromarray(pixels, "RGBA"),
+              "palette.png": Image.fromarray(pixels[..., :3]).quantize(16), "bits.png": Image.fromarray(pixels[..., 0] > 127)}
+    for name, image in images.items():
+        path = tmp_path / "cls" / name
+        path.parent.mkdir(exist_ok=True)
+        image.save(path)
+        expected = np.asarray(pil_loader(str(path)))
+        for decoded in (rgb_image(str(path)), decode_image(path.read_bytes())):
+            assert decoded.mode == "RGB" and np.array_equal(np.asarray(decoded), expected), name
+    assert CheckedImageFolder(str(tmp_path), None, "train", "error").loader is rgb_image
+
+
 # --- unreadable images ------------------------------------------------------------------------
 
 def add_unreadable_images(root) -> dict[str, str]:
