@@ -12,6 +12,7 @@ from torch.utils.data import Dataset
 from data import DataSplits
 from data.presets import NORMALIZATION
 from data.segmentation_transforms import eval_transforms, pad_collate, train_transforms
+from data.vision import rgb_image
 from ddp.config.schema import ConfigError
 
 VOC_CLASSES = ("background", "aeroplane", "bicycle", "bird", "boat", "bottle", "bus", "car", "cat", "chair", "cow",
@@ -29,7 +30,7 @@ class VOCSegmentation(Dataset):
 
     def __getitem__(self, index: int):
         image_id = self.ids[index]
-        image = Image.open(self.root / "JPEGImages" / f"{image_id}.jpg").convert("RGB")
+        image = rgb_image(self.root / "JPEGImages" / f"{image_id}.jpg")
         mask = Image.open(self.root / "SegmentationClass" / f"{image_id}.png")  # mode P: its values are the ids
         return self.transform(image, mask)
 

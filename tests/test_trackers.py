@@ -222,6 +222,16 @@ def test_make_mlflow_ui_serves_the_store_and_its_page_lists_the_runs(runs):
             browser.quit()
 
 
+def lines_until_the_mlflow_run(training: subprocess.Popen) -> list[str]:
+    """The training's output lines up to the one that says its MLflow run exists."""
+    output = []
+    for line in training.stdout:
+        output.append(line)
+        if "mlflow: run " in line:
+            break
+    return output
+
+
 def test_mlflow_runs_outside_the_training_process_and_a_ctrl_c_still_ends_its_run_with_every_step(tmp_path):
     """The trackers run in a process of their own (ddp/reporting/tracker_process.py): the training's never imports
     MLflow. A terminal's Ctrl-C, which goes to the whole process group, stops the training at a step boundary
@@ -234,11 +244,7 @@ def test_mlflow_runs_outside_the_training_process_and_a_ctrl_c_still_ends_its_ru
             "runpy.run_path(sys.argv[0], run_name='__main__')\n")
     training = subprocess.Popen([sys.executable, "-c", code], cwd=tmp_path, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
                                 text=True, start_new_session=True, env=os.environ | {"PYTHONUNBUFFERED": "1"})
-    output = []
-    for line in training.stdout:  # the MLflow run exists, so its store has its tables: this test's client may read it
-        output.append(line)
-        if "mlflow: run " in line:
-            break
+    output = lines_until_the_mlflow_run(training)  # the run exists, so its store has its tables: this test's client may read it
     store = tmp_path / "outputs" / "mlflow.db"
     while not any("train/loss" in run.data.metrics for run in mlflow_runs(store)):
         assert training.poll() is None, "".join(output)
@@ -309,11 +315,7 @@ def test_the_tracker_process_killed_mid_run_is_one_line_and_the_run_and_its_file
     training = subprocess.Popen([sys.executable, str(TRAIN), *TINY, *slow, "trainer.log_every_n_steps=1", "logger=[tensorboard,mlflow]"],
                                 cwd=tmp_path, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
                                 env=os.environ | {"PYTHONUNBUFFERED": "1"})
-    output = []
-    for line in training.stdout:
-        output.append(line)
-        if "mlflow: run " in line:
-            break
+    output = lines_until_the_mlflow_run(training)
     (tracker_process,) = [pid for pid, command in _children(training.pid).items() if "ddp.reporting.tracker_process" in command]
     os.kill(tracker_process, signal.SIGKILL)
     rest, _ = training.communicate(timeout=300)
