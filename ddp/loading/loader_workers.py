@@ -78,9 +78,9 @@ def start_fork_server(preload: list[str]):
 
 # glibc's malloc serves a large allocation from a fresh mapping, and gives memory at the top of its heap back to
 # the system once a free leaves more than a threshold there. It raises both thresholds as a process frees large
-# blocks, so a long-lived process ends up reusing its memory; a worker, fresh from the fork server, gave each
-# sample's image buffers back and took them again, a page fault per 4 KiB (30 an image for 500x375 JPEGs at
-# 224 px, against none in the rank's process). A worker starts at the ceilings glibc's own raising stops at on
+# blocks, so a long-lived process ends up reusing its memory; a worker, fresh from the fork server, gave a batch's
+# freed images back and took them again for the next, a page fault per 4 KiB (about 30 a sample for 500x375 JPEGs
+# at 224 px, against none in the rank's process). A worker starts at the ceilings glibc's own raising stops at on
 # 64-bit systems: allocations under 32 MiB come from the heap, which keeps up to 64 MiB freed.
 _MALLOPT = {-3: 32 << 20, -1: 64 << 20}  # M_MMAP_THRESHOLD, M_TRIM_THRESHOLD (malloc.h)
 
