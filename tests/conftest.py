@@ -264,9 +264,9 @@ def single_run(tmp_path_factory) -> Path:
 
 
 def write_imagefolder(root: Path, classes=("cat", "dog"), per_class: int | dict[str, int] = 3,
-                      splits=("train", "val"), size=(24, 20)) -> Path:
-    """A real ImageFolder tree of small, non-square RGB PNGs: each class its own colour, each image its
-    own noise (so the classes are easy to learn). `per_class`: images per class, or per split and class."""
+                      splits=("train", "val"), size=(24, 20), suffix: str = ".png") -> Path:
+    """A real ImageFolder tree of small, non-square RGB PNGs (or JPEGs: suffix=".jpg"): each class its own colour,
+    each image its own noise (so the classes are easy to learn). `per_class`: images per class, or per split and class."""
     rng = np.random.default_rng(0)
     for split in splits:
         count = per_class[split] if isinstance(per_class, dict) else per_class
@@ -276,7 +276,7 @@ def write_imagefolder(root: Path, classes=("cat", "dog"), per_class: int | dict[
             colour = np.array([(90 * index) % 256, (150 * index) % 256, 200])
             for i in range(count):
                 pixels = np.clip(colour + rng.integers(-30, 30, (size[1], size[0], 3)), 0, 255).astype(np.uint8)
-                Image.fromarray(pixels).save(folder / f"{i}.png")
+                Image.fromarray(pixels).save(folder / f"{i}{suffix}")
     return root
 
 

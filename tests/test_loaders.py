@@ -5,7 +5,6 @@ from collections import Counter
 from pathlib import Path
 from types import SimpleNamespace
 
-import numpy as np
 import pytest
 import torch
 from torch import nn
@@ -526,17 +525,10 @@ def test_a_loader_worker_reuses_the_memory_its_samples_free(tmp_path):
     system and fault them in again for the next batch, a page fault per 4 KiB (27 a sample on average here). Workers
     keep that memory (ddp/loading/loader_workers.py): past the first batch, photo-sized JPEGs (500x375, decoded and
     cropped to 224 px, 32 a batch) load with under one page fault a sample on average."""
-    from PIL import Image
-
     from data.vision import build_imagefolder
 
-    rng = np.random.default_rng(0)
-    for name in ("cat", "dog"):
-        for split, count in (("train", 48), ("val", 1)):
-            (tmp_path / split / name).mkdir(parents=True, exist_ok=True)
-            for i in range(count):
-                Image.fromarray(rng.integers(0, 256, (375, 500, 3), dtype=np.uint8)).save(tmp_path / split / name / f"{i}.jpg")
-    dataset = PageFaults(build_imagefolder(str(tmp_path), image_size=224, augment="standard", random_erase=0.0,
+    root = write_imagefolder(tmp_path / "images", per_class={"train": 48, "val": 1}, size=(500, 375), suffix=".jpg")
+    dataset = PageFaults(build_imagefolder(str(root), image_size=224, augment="standard", random_erase=0.0,
                                            interpolation="bilinear").train)
     loader = build_train_loader(dataset, SimpleNamespace(batch_size=32, num_workers=1), DistEnv(), 0, False)
     start_epoch(loader, EPOCH)
