@@ -18,6 +18,7 @@ import io
 import json
 import logging
 import os
+import sys
 import tarfile
 import tempfile
 from pathlib import Path
@@ -233,10 +234,12 @@ class ShardReader:
             while self._files:
                 os.close(self._files.popitem()[1])
 
-    def __del__(self) -> None:
+    def __del__(self, finalizing=sys.is_finalizing) -> None:  # bound now: at the exit, the module's names may be gone
         # a dropped reader's descriptors are plain integers that nothing else closes: without this, each
-        # job of a sweep in one process (hydra -m) would keep its shards open, up to MAX_OPEN_SHARDS a job
-        self.close()
+        # job of a sweep in one process (hydra -m) would keep its shards open, up to MAX_OPEN_SHARDS a job.
+        # At the interpreter's exit they close with the process
+        if not finalizing():
+            self.close()
 
     def _in_this_process(self) -> None:
         if self._pid != os.getpid():  # a forked child: its parent's descriptors and thread are the parent's
