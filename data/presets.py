@@ -10,12 +10,15 @@ the train transform normalizes in the worker, as transforms.v2 does."""
 
 from typing import NamedTuple
 
+import numpy as np
 import torch
+from PIL import Image
 from torchvision.transforms import v2
 
 from data.views import BLUR_SIGMA, Views, blur_kernel_size
 from ddp.config.schema import ConfigError
 from ddp.loading.batches import ImageNormalization
+from ddp.loading.collate import image_place
 
 # Per-channel mean and std of each dataset's training images, the one place they are stated.
 NORMALIZATION = {
@@ -117,7 +120,25 @@ def _train(geometry: list, eval_geometry: list, augment: str, random_erase: floa
 
 
 def _compose(steps: list, normalization: ImageNormalization) -> v2.Compose:
-    return v2.Compose([*steps, v2.PILToTensor(), normalization])
+    return v2.Compose([*steps, UInt8Image(), normalization])
+
+
+class UInt8Image:
+    """PILToTensor: a PIL image to uint8 (C, H, W), its values and layout, anything else as it is. In a loader
+    worker loading a batch, an RGB image is written straight into its place in the batch's shared memory,
+    which is then the batch, collated without a copy (ddp/loading/collate.py)."""
+
+    def __call__(self, image):
+        if not isinstance(image, Image.Image):
+            return image
+        place = image_place(image.height, image.width) if image.mode == "RGB" else None
+        if place is None:
+            return v2.functional.pil_to_tensor(image)
+        place.numpy()[...] = np.asarray(image)
+        return place.permute(2, 0, 1)
+
+    def __repr__(self) -> str:
+        return "UInt8Image()"
 
 
 def _interpolation(name: str):

@@ -1,6 +1,7 @@
 """A dataset for loader tests, in a module of its own: each loader worker imports the dataset's
 module, and this one costs milliseconds where a test module (with all that it imports) costs seconds."""
 
+import os
 import random
 import resource
 
@@ -58,3 +59,30 @@ class PageFaults(Dataset):
         sample = self.dataset[index]
         self.faults[index] = resource.getrusage(resource.RUSAGE_THREAD).ru_minflt - before
         return sample
+
+
+class ImageSegments(Dataset):
+    """`dataset`'s (image, label) samples; `segments[i]`: (the inode of the shared-memory segment that sample i's
+    image lies in, its offset there, in bytes), or (-1, -1) where it lies in private memory. Shared memory, as the
+    loader's workers are other processes."""
+
+    def __init__(self, dataset: Dataset):
+        self.dataset, self.image_normalization = dataset, dataset.image_normalization
+        self.segments = torch.full((len(dataset), 2), -1, dtype=torch.int64).share_memory_()
+
+    def __len__(self) -> int:
+        return len(self.dataset)
+
+    def __getitem__(self, index):
+        image, label = self.dataset[index]
+        self.segments[index] = torch.tensor(segment_of(image))
+        return image, label
+
+
+def segment_of(tensor: torch.Tensor) -> tuple[int, int]:
+    """(inode of the shared-memory segment that `tensor` lies in, its offset there in bytes), or (-1, -1)."""
+    storage = tensor.untyped_storage()
+    if not storage.is_shared():
+        return -1, -1
+    fd, _ = storage._share_fd_cpu_()
+    return os.fstat(fd).st_ino, tensor.storage_offset() * tensor.element_size()

@@ -12,7 +12,7 @@ from torch.utils.data import DistributedSampler, TensorDataset
 
 from ddp.distributed.env import DistEnv
 from conftest import write_imagefolder
-from ids_and_noise import IdsAndNoise, LargeViews, PageFaults
+from ids_and_noise import IdsAndNoise, ImageSegments, LargeViews, PageFaults, segment_of
 from ddp.checkpoints.resume import capture_rank_state, checkpoint_state, resume_position
 from ddp.loading.loaders import build_train_loader, build_val_loader, iterate_from, start_epoch
 from ddp.loading.samplers import TrainSampler, epoch_order, epoch_windows, rest_of_epoch, resume_point, shard_indices
@@ -535,3 +535,37 @@ def test_a_loader_worker_reuses_the_memory_its_samples_free(tmp_path):
     assert len(list(loader)) == 3 and int(dataset.faults.min()) >= 0
     past_the_first_batch = [int(dataset.faults[index]) for index in loader.sampler.indices()[32:]]
     assert sum(past_the_first_batch) / len(past_the_first_batch) <= 4, past_the_first_batch
+
+
+@pytest.mark.parametrize("split", ["train", "val"])
+def test_a_worker_decodes_a_batchs_images_into_the_shared_memory_that_is_the_batch(split, tmp_path):
+    """In a loader worker, each decoded image is written into its place in a shared-memory segment, and the batch
+    the rank receives is that segment: image i of a batch lies at i images' bytes into it, in the segment the rank
+    maps, so nothing copies the images again. The last batch is shorter; the values are the process's own."""
+    from data.vision import build_imagefolder
+    from ddp.loading.batches import to_device
+
+    root = write_imagefolder(tmp_path / "images", per_class={"train": 5, "val": 5}, size=(40, 30))
+    splits = build_imagefolder(str(root), image_size=16, augment="standard", random_erase=0.0, interpolation="bilinear")
+    dataset = ImageSegments(getattr(splits, split))
+
+    def loaded(workers: int) -> tuple[list[int], list]:
+        data_cfg = SimpleNamespace(batch_size=4, num_workers=workers)
+        if split == "train":
+            loader = build_train_loader(dataset, data_cfg, DistEnv(), 0, False)
+            start_epoch(loader, EPOCH)
+            order = loader.sampler.indices()
+        else:
+            loader = build_val_loader(dataset, data_cfg, DistEnv(), False)
+            order = list(loader.sampler)
+        normalization = loader.dataset.image_normalization
+        return order, [(segment_of(images), to_device(images, torch.device("cpu"), normalization=normalization)) for images, _ in loader]
+
+    _, in_process = loaded(0)
+    order, from_workers = loaded(1)
+    assert [len(images) for _, images in from_workers] == [4, 4, 2]
+    for number, ((inode, offset), images) in enumerate(from_workers):
+        assert inode != -1 and offset == 0
+        samples = order[4 * number:4 * number + 4]
+        assert [tuple(dataset.segments[index].tolist()) for index in samples] == [(inode, i * 3 * 16 * 16) for i in range(len(samples))]
+        assert torch.equal(images, in_process[number][1])

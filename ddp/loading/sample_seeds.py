@@ -14,7 +14,7 @@ import numpy as np
 import torch
 from torch.utils.data import Dataset, TensorDataset, get_worker_info
 
-from ddp.loading.collate import CollatedBatch
+from ddp.loading.collate import CollatedBatch, start_batch
 
 MASK_64 = (1 << 64) - 1
 VALIDATION_EPOCH = -1  # a split with no epochs: the same draws at every validation
@@ -56,7 +56,10 @@ class SeededSamples(Dataset):
         come as the batch itself: each tensor indexed once with the batch's indices, the values and layout of
         default_collate's stack of the samples (32 samples of 3x16x16: about 60 us a batch, not 125). In a worker,
         or for a dataset's own collate_fn, they are samples, as for any dataset."""
-        if self.draws or self.collate_fn is not None or get_worker_info() is not None:
+        in_worker = get_worker_info() is not None
+        if self.draws or self.collate_fn is not None or in_worker:
+            if in_worker and self.collate_fn is None and self.image_normalization is not None and self.image_normalization.deferred:
+                start_batch(len(indices))  # their decoded images straight into the batch's shared memory (ddp/loading/collate.py)
             return [self[index] for index in indices]
         positions = torch.as_tensor(indices)
         return CollatedBatch(tensor[positions] for tensor in self.dataset.tensors)
