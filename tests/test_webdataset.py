@@ -461,6 +461,7 @@ def test_a_served_index_of_another_shard_is_one_line_and_a_process_keeps_few_sha
 def test_a_reader_alive_at_the_interpreters_exit_prints_nothing(trained):
     """A script's reader at module level lives until the interpreter's exit, where its descriptors close with the process."""
     shard = trained["shards"] / "train-000000.tar"
-    script = f"import data.webdataset as w, pathlib\nreader = w.ShardReader([{str(shard)!r}], [w.load_index(pathlib.Path({str(shard)!r}))])\nreader[0]\n"
+    script = (f"import data.webdataset as w, pathlib\nreader = w.ShardReader([{str(shard)!r}], "
+              f"[w.load_index(pathlib.Path({str(shard)!r}))])\nreader[0]\n")
     result = subprocess.run([sys.executable, "-c", script], cwd=REPO, capture_output=True, text=True)
     assert result.returncode == 0 and result.stderr == "", result.stderr
