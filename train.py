@@ -22,7 +22,7 @@ from ddp.checkpoints.checkpointer import Checkpointer
 from ddp.checkpoints.resume import check_update_state_fits, find_resume_checkpoint, is_restart, load_resumed_weights, resume_training
 from ddp.config.checks import check_model_accepts, validate
 from ddp.config.schema import MULTI_PROCESS, register_configs
-from ddp.distributed.env import DistEnv, restrict_visible_gpus, select_device, use_deterministic_cudnn
+from ddp.distributed.env import DistEnv, restrict_visible_gpus, select_device, set_up_process
 from ddp.distributed.fsdp import check_blocks
 from ddp.distributed.process_group import all_reduce_sum, process_group, releases_process_groups, replicas_identical, resolve_backend
 from ddp.distributed.syncbn import warn_if_syncbn_without_ddp
@@ -66,8 +66,7 @@ def run(cfg: DictConfig, run_dir: Path, relaunch: str) -> dict:
     memory_reset = reset_peak_memory(gpus)  # peak memory is this run's (data included), also in a multirun
     ctx = RunContext(cfg, env, backend, device, gpus, run_dir, relaunch, memory_reset)  # what every stage reads
     warn_if_syncbn_without_ddp(cfg.syncbn, cfg.strategy.name)
-    if cfg.deterministic:
-        use_deterministic_cudnn()
+    set_up_process(cfg.deterministic, cfg.keep_freed_host_memory)  # cuDNN's algorithms; malloc keeps freed memory
     splits, task, length, model, resumed = check_startup(cfg, run_dir, world_size=env.world_size, restarted=is_restart(env))
     if cfg.mode == "eval":
         return evaluate_checkpoint(ctx, splits, task)  # evaluate.py, the recipe of mode=eval

@@ -83,11 +83,17 @@ def test_every_contender_of_the_full_bench_composes_and_its_ratios_come_out():
     def throughput(name, model):
         return found[name, model].throughput[0]
 
-    assert float(rows["train.py DDP - plain loop, time per step (ms), tiny_cnn"]) == pytest.approx(
-        1000 * 2 * bench.FULL.batch_size * (1 / throughput("ddp", "tiny_cnn") - 1 / throughput("plain", "tiny_cnn")), abs=5e-4)
+    for name, what in (("ddp", "train.py DDP"), ("ddp malloc default", "train.py DDP, keep_freed_host_memory=false")):
+        assert float(rows[f"{what} - plain loop, time per step (ms), tiny_cnn"]) == pytest.approx(
+            1000 * 2 * bench.FULL.batch_size * (1 / throughput(name, "tiny_cnn") - 1 / throughput("plain", "tiny_cnn")), abs=5e-4)
     for model in ("tiny_cnn", "small_cnn", "resnet18"):
         assert float(rows[f"train.py DDP / Lightning, throughput, {model}"]) == pytest.approx(
             throughput("ddp", model) / throughput("lightning", model), abs=5e-4)
+        # the loop's own cost with the plain loop's allocator, and what keeping freed memory gives
+        assert float(rows[f"train.py DDP, keep_freed_host_memory=false / plain loop, throughput, {model}"]) == pytest.approx(
+            throughput("ddp malloc default", model) / throughput("plain", model), abs=5e-4)
+        assert float(rows[f"keep_freed_host_memory=true / false, throughput, {model}, 2 ranks"]) == pytest.approx(
+            throughput("ddp", model) / throughput("ddp malloc default", model), abs=5e-4)
     for model in ("small_cnn", "resnet18"):
         expected = {
             f"train.py DDP / plain loop, throughput, {model}": throughput("ddp", model) / throughput("plain", model),

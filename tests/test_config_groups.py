@@ -90,7 +90,8 @@ DEFAULT_KEYS = {
     "fault.record_samples_dir", "fault.slow_rank", "fault.slow_ms", "fault.slow_val_ms",
     "profiler.enabled", "profiler.wait", "profiler.warmup", "profiler.active", "profiler.table_rows",
     "profiler.memory_history", "profiler.memory_snapshot_step",
-    "ema.decay", "devices", "backend", "syncbn", "deterministic", "precision", "channels_last", "compile", "compile_mode", "seed", "mode", "resume",
+    "ema.decay", "devices", "backend", "syncbn", "deterministic", "precision", "channels_last", "keep_freed_host_memory", "compile",
+    "compile_mode", "seed", "mode", "resume",
 }
 
 LOADING = {"_target_", "batch_size", "num_workers", "mixup_alpha", "cutmix_alpha", "split", "val_batch_size", "shuffle_window"}

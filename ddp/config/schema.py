@@ -259,6 +259,7 @@ class TrainConfig:
     deterministic: bool = False  # cuDNN picks deterministic algorithms only (exact resume on GPUs; slower)
     precision: str = "32"  # 32 | bf16 | 16 (fp16, with a GradScaler): autocast on the run's device
     channels_last: bool = False  # model and every input batch in channels_last memory format
+    keep_freed_host_memory: bool = True  # glibc's malloc keeps what a step frees for the next, as on GPUs (no page faults)
     compile: bool = False  # torch.compile the model (before wrapping; checkpoints keep the plain keys)
     compile_mode: str | None = None  # torch.compile(mode=...): null (default), reduce-overhead, max-autotune
     seed: int = 0

@@ -1,6 +1,8 @@
 """The process's place in the launch: read from the variables torchrun sets, else from a SLURM (or
-local) job that submitit started, else a plain single process."""
+local) job that submitit started, else a plain single process; and the process's own settings (its GPUs,
+cuDNN's algorithms, how malloc keeps freed memory)."""
 
+import ctypes
 import logging
 import os
 from dataclasses import dataclass
@@ -111,8 +113,40 @@ def select_device(env: DistEnv, backend: str | None, visible_gpus: int) -> torch
     return torch.device("cuda", index)
 
 
-def use_deterministic_cudnn() -> None:
-    """cuDNN's deterministic algorithms only, and no benchmarking (which may pick others per run).
-    Here rather than in train.py: submitit pickles train.py's functions by value, and the module
-    object torch.backends.cudnn can't be pickled."""
-    torch.backends.cudnn.deterministic, torch.backends.cudnn.benchmark = True, False
+def set_up_process(deterministic: bool, keep_freed_memory: bool) -> None:
+    """This process's own settings, before the data and model take memory: cuDNN's deterministic algorithms only and
+    no benchmarking, which may pick others per run (`deterministic`); malloc keeping what the process frees
+    (`keep_freed_memory`, keep_freed_host_memory). Here rather than in train.py: submitit pickles train.py's
+    functions by value, and the module object torch.backends.cudnn can't be pickled."""
+    if deterministic:
+        torch.backends.cudnn.deterministic, torch.backends.cudnn.benchmark = True, False
+    if keep_freed_memory:
+        keep_freed_host_memory()
+
+
+# glibc's malloc serves an allocation of 128 KiB or more from a fresh mapping, and gives the free memory at the top of
+# its heap back to the system once there is more than 128 KiB of it; either way the next allocation takes it again, a
+# page fault (and a zeroed page) per 4 KiB. It raises both thresholds as a process frees large blocks, but to 32 MiB and
+# 64 MiB at most on 64-bit systems, and a training step frees more than 64 MiB at once: on small_cnn (32 px, batch 32,
+# 2 ranks) each rank faulted in about 16,000 pages a step, and a fresh loader worker a batch's images
+# (docs/performance.md).
+M_TRIM_THRESHOLD, M_MMAP_THRESHOLD = -1, -3  # mallopt's parameters (malloc.h)
+MMAP_THRESHOLD_MAX = 32 << 20  # the largest that mallopt takes on 64-bit systems
+MALLOC_ENVIRONMENT = ("MALLOC_TRIM_THRESHOLD_", "MALLOC_MMAP_THRESHOLD_", "MALLOC_TOP_PAD_", "MALLOC_MMAP_MAX_")
+
+
+def keep_freed_host_memory() -> bool:
+    """glibc's malloc keeps what this process frees for its next allocations, as torch's caching allocator does on
+    GPUs: allocations under 32 MiB come from the heap, which keeps up to 2 GiB freed at its top, so a process holds
+    its peak. Not where the user set malloc's own variables (MALLOC_TRIM_THRESHOLD_ and the like, or
+    GLIBC_TUNABLES), which win, nor with another C library. Returns whether it applied."""
+    if any(name in os.environ for name in MALLOC_ENVIRONMENT) or "glibc.malloc." in os.environ.get("GLIBC_TUNABLES", ""):
+        return False
+    try:
+        glibc = os.confstr("CS_GNU_LIBC_VERSION")
+    except (AttributeError, ValueError, OSError):  # no confstr (Windows), or another C library, with its own malloc
+        glibc = None
+    if not glibc:
+        return False
+    libc = ctypes.CDLL(None)  # the process's own symbols: glibc's mallopt
+    return bool(libc.mallopt(M_MMAP_THRESHOLD, MMAP_THRESHOLD_MAX)) and bool(libc.mallopt(M_TRIM_THRESHOLD, 2**31 - 1))

@@ -2,7 +2,6 @@
 group, that end with the rank, and that reuse the memory their samples free."""
 
 import contextlib
-import ctypes
 import functools
 import multiprocessing
 import multiprocessing.forkserver
@@ -17,6 +16,8 @@ from collections.abc import Iterator
 from pathlib import Path
 
 from torch.utils.data import DataLoader, Dataset, get_worker_info
+
+from ddp.distributed.env import keep_freed_host_memory
 
 
 # Workers are forked by a fork server, a single-threaded process that the rank starts once, never by
@@ -76,31 +77,11 @@ def start_fork_server(preload: list[str]):
     return context
 
 
-# glibc's malloc serves a large allocation from a fresh mapping, and gives memory at the top of its heap back to
-# the system once a free leaves more than a threshold there. It raises both thresholds as a process frees large
-# blocks, so a long-lived process ends up reusing its memory; a worker, fresh from the fork server, gave a batch's
-# freed images back and took them again for the next, a page fault per 4 KiB (about 30 a sample for 500x375 JPEGs
-# at 224 px, against none in the rank's process). A worker starts at the ceilings glibc's own raising stops at on
-# 64-bit systems: allocations under 32 MiB come from the heap, which keeps up to 64 MiB freed.
-_MALLOPT = {-3: 32 << 20, -1: 64 << 20}  # M_MMAP_THRESHOLD, M_TRIM_THRESHOLD (malloc.h)
-
-
-def _reuse_freed_memory() -> None:
-    try:
-        glibc = os.confstr("CS_GNU_LIBC_VERSION")
-    except (AttributeError, ValueError, OSError):  # no confstr (Windows), or another C library, with its own malloc
-        glibc = None
-    if glibc:
-        libc = ctypes.CDLL(None)
-        for parameter, value in _MALLOPT.items():
-            libc.mallopt(parameter, value)
-
-
 def _init_worker(worker_id: int, rank_pid: int) -> None:
     normalization = getattr(get_worker_info().dataset, "image_normalization", None)
     if normalization is not None:  # images leave as uint8, and the rank normalizes them on the device (to_device)
         normalization.deferred = True
-    _reuse_freed_memory()
+    keep_freed_host_memory()  # fresh from the fork server, a worker gave a batch's freed images back and took them again
     if not _POSIX:
         return
     os.setpgid(0, 0)
