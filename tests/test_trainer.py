@@ -7,6 +7,7 @@ import concurrent.futures
 import json
 import logging
 import shutil
+import statistics
 from pathlib import Path
 
 import pytest
@@ -125,15 +126,17 @@ def test_samples_per_s_counts_training_steps_only(tmp_path, monkeypatch):
 def test_a_training_step_reuses_the_memory_the_step_before_it_freed(tmp_path):
     """glibc's malloc gives back to the system what a training step frees (over 64 MiB here: small_cnn at 32 px, batch 32),
     and the next step faults it in again, a page fault per 4 KiB. With keep_freed_host_memory (the default) the process
-    keeps it: past the first steps a whole step (forward, backward, optimizer, the next batch) takes under 1% of the
-    faults it takes with glibc's behaviour, which keep_freed_host_memory=false and malloc's own variables, where the
+    keeps it: past the first steps a whole step (forward, backward, optimizer, the next batch) takes, at the median, under
+    1% of the faults it takes with glibc's behaviour, which keep_freed_host_memory=false and malloc's own variables, where the
     user set them (MALLOC_TRIM_THRESHOLD_ at glibc's default), leave as they are. Launched: the setting is the process's."""
     args = ["model._target_=tests.workers.step_faults.StepFaults", "data=synthetic", "data.num_samples=320", "data.num_val_samples=32",
             "data.image_size=32", "data.batch_size=32", "trainer.max_epochs=1"]
     runs = {"kept": ([], {}), "off": (["keep_freed_host_memory=false"], {}), "users": ([], {"MALLOC_TRIM_THRESHOLD_": "131072"})}
-    with concurrent.futures.ThreadPoolExecutor(len(runs)) as pool:  # the faults don't depend on the timing
+    for name in runs:
+        (tmp_path / name).mkdir()
+    with concurrent.futures.ThreadPoolExecutor(len(runs)) as pool:  # at once: a step's faults don't depend on the timing
         done = [pool.submit(launch, [*args, f"+model.record={tmp_path / name}.txt", *extra], tmp_path / name, env=env)
-                for name, (extra, env) in runs.items() if (tmp_path / name).mkdir() is None]
+                for name, (extra, env) in runs.items()]
     for result in done:
         check(result.result())
 
@@ -142,9 +145,9 @@ def test_a_training_step_reuses_the_memory_the_step_before_it_freed(tmp_path):
         assert len(counts) == 10  # 10 training steps
         return [after - before for before, after in zip(counts[3:], counts[4:])]  # steps 4 to 9
 
-    kept = faults_per_step("kept")
+    kept = faults_per_step("kept")  # a step may still grow the heap once (16 MiB in one step of a loaded machine's run)
     for name in ("off", "users"):
-        assert sum(kept) * 100 < sum(faults_per_step(name)), (kept, name, faults_per_step(name))
+        assert statistics.median(kept) * 100 < statistics.median(faults_per_step(name)), (kept, name, faults_per_step(name))
 
 
 @pytest.fixture(scope="module")
