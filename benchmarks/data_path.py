@@ -2,7 +2,7 @@
 scikit-learn's two bundled photos; nothing is downloaded) with imagefolder's default preset at 64 px:
 
 - the loader's images/s with each sample's draws seeded (ddp/loading/sample_seeds.py) against the same
-  loader unseeded, interleaved repeats in one process and one thread, samples loaded in that process;
+  loader unseeded, interleaved repeats in one fresh process and one thread, samples loaded in that process;
 - a resume's cost: from the launch of `train.py resume=<checkpoint>` to the end of its first update,
   for checkpoints 10% and 90% into an epoch (the run stops at that update: the rest is the same for both);
 - the input pipeline at 224 px (the `standard` training preset), images/s through the project's train
@@ -15,6 +15,7 @@ scikit-learn's two bundled photos; nothing is downloaded) with imagefolder's def
 
 import functools
 import http.server
+import multiprocessing
 import os
 import statistics
 import subprocess
@@ -74,15 +75,23 @@ def write_photos(root: Path, images: int) -> Path:
 
 
 def loader_seeding(root: Path, settings: DataSettings) -> dict[str, list[float]]:
-    """{"seeded" | "unseeded": images/s per repeat}: one epoch's first loader_images images each time."""
+    """{"seeded" | "unseeded": images/s per repeat}: one epoch's first loader_images images each time, in a fresh
+    process that keeps the memory it frees, as a rank does. In the bench's own process, after most of an hour of
+    launching contenders, the ratio landed anywhere from 0.85 to 0.98 from run to run (docs/performance.md)."""
+    with multiprocessing.get_context("spawn").Pool(1) as pool:
+        return pool.apply(_loader_seeding_in_this_process, (root, settings))
+
+
+def _loader_seeding_in_this_process(root: Path, settings: DataSettings) -> dict[str, list[float]]:
     from torch.utils.data import DataLoader
 
     from data.vision import build_imagefolder
-    from ddp.distributed.env import DistEnv
+    from ddp.distributed.env import DistEnv, keep_freed_host_memory
     from ddp.loading.loaders import build_train_loader, start_epoch
     from ddp.loading.samplers import TrainSampler
 
     torch.set_num_threads(1)
+    keep_freed_host_memory()
     train = build_imagefolder(str(root), settings.image_size, "standard", 0.0, "bilinear").train
     config = type("Data", (), {"batch_size": settings.batch_size, "num_workers": 0})
     seeded = build_train_loader(train, config, DistEnv(), seed=0, pin_memory=False)
