@@ -135,18 +135,18 @@ MMAP_THRESHOLD_MAX = 32 << 20  # the largest that mallopt takes on 64-bit system
 MALLOC_ENVIRONMENT = ("MALLOC_TRIM_THRESHOLD_", "MALLOC_MMAP_THRESHOLD_", "MALLOC_TOP_PAD_", "MALLOC_MMAP_MAX_")
 
 
-def keep_freed_host_memory() -> bool:
+def keep_freed_host_memory() -> None:
     """glibc's malloc keeps what this process frees for its next allocations, as torch's caching allocator does on
     GPUs: allocations under 32 MiB come from the heap, which keeps up to 2 GiB freed at its top, so a process holds
     its peak. Not where the user set malloc's own variables (MALLOC_TRIM_THRESHOLD_ and the like, or
-    GLIBC_TUNABLES), which win, nor with another C library. Returns whether it applied."""
+    GLIBC_TUNABLES), which win, nor with another C library."""
     if any(name in os.environ for name in MALLOC_ENVIRONMENT) or "glibc.malloc." in os.environ.get("GLIBC_TUNABLES", ""):
-        return False
+        return
     try:
         glibc = os.confstr("CS_GNU_LIBC_VERSION")
     except (AttributeError, ValueError, OSError):  # no confstr (Windows), or another C library, with its own malloc
         glibc = None
-    if not glibc:
-        return False
-    libc = ctypes.CDLL(None)  # the process's own symbols: glibc's mallopt
-    return bool(libc.mallopt(M_MMAP_THRESHOLD, MMAP_THRESHOLD_MAX)) and bool(libc.mallopt(M_TRIM_THRESHOLD, 2**31 - 1))
+    if glibc:
+        libc = ctypes.CDLL(None)  # the process's own symbols: glibc's mallopt
+        libc.mallopt(M_MMAP_THRESHOLD, MMAP_THRESHOLD_MAX)
+        libc.mallopt(M_TRIM_THRESHOLD, 2**31 - 1)
