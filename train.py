@@ -6,11 +6,14 @@
 
 import contextlib
 import functools
+import gc
 import sys
 import time
 from collections.abc import Iterator
 from pathlib import Path
 
+if __name__ == "__main__":  # a rank: Python's cyclic garbage collector waits out the imports, until set_up_process
+    gc.disable()
 import hydra
 import torch
 from hydra.core.hydra_config import HydraConfig
@@ -62,11 +65,10 @@ def run(cfg: DictConfig, run_dir: Path, relaunch: str) -> dict:
     distributed = cfg.strategy.name in MULTI_PROCESS
     backend = resolve_backend(cfg.backend, torch.cuda.is_available())
     device = select_device(env, backend if distributed else None, torch.cuda.device_count())
-    gpus = process_gpus(cfg.strategy.name, device)
-    memory_reset = reset_peak_memory(gpus)  # peak memory is this run's (data included), also in a multirun
+    memory_reset = reset_peak_memory(gpus := process_gpus(cfg.strategy.name, device))  # this run's peak (data included), also in a multirun
     ctx = RunContext(cfg, env, backend, device, gpus, run_dir, relaunch, memory_reset)  # what every stage reads
     warn_if_syncbn_without_ddp(cfg.syncbn, cfg.strategy.name)
-    set_up_process(cfg.deterministic, cfg.keep_freed_host_memory)  # cuDNN's algorithms; malloc keeps freed memory
+    set_up_process(cfg.deterministic, cfg.keep_freed_host_memory)  # cuDNN's algorithms, malloc, the garbage collector
     splits, task, length, model, resumed = check_startup(cfg, run_dir, world_size=env.world_size, restarted=is_restart(env))
     if cfg.mode == "eval":
         return evaluate_checkpoint(ctx, splits, task)  # evaluate.py, the recipe of mode=eval
