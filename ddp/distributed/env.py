@@ -1,6 +1,6 @@
 """The process's place in the launch: read from the variables torchrun sets, else from a SLURM (or
 local) job that submitit started, else a plain single process; and the process's own settings (its GPUs,
-cuDNN's algorithms, how malloc keeps freed memory)."""
+cuDNN's algorithms, how malloc keeps freed memory, the garbage collector)."""
 
 import ctypes
 import gc
