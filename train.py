@@ -12,7 +12,7 @@ import time
 from collections.abc import Iterator
 from pathlib import Path
 
-if __name__ == "__main__":  # a rank: Python's cyclic garbage collector waits out the imports, until set_up_process
+if __name__ == "__main__" and "torch" not in sys.modules:  # a rank: Python's garbage collector waits for set_up_process
     gc.disable()
 import hydra
 import torch

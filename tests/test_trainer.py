@@ -7,8 +7,10 @@ import concurrent.futures
 import gc
 import json
 import logging
+import runpy
 import shutil
 import statistics
+import sys
 from pathlib import Path
 
 import pytest
@@ -151,11 +153,12 @@ def test_a_training_step_reuses_the_memory_the_step_before_it_freed(tmp_path):
         assert statistics.median(kept) * 100 < statistics.median(faults_per_step(name)), (kept, name, faults_per_step(name))
 
 
-def test_a_ranks_imports_stay_out_of_the_garbage_collectors_scans_while_it_trains(tmp_path):
+def test_a_ranks_imports_stay_out_of_the_garbage_collectors_scans_while_it_trains(tmp_path, monkeypatch):
     """A rank's imports (torch, torchvision, Hydra) make over half a million objects that live as long as the process; the
     collector, off for them, is on while the rank trains (its cyclic garbage is freed) and leaves them out of its scans
-    (gc.freeze): those would take 0.2 s each, and 0.7 s at the exit. A process that imports train.py (this one) keeps
-    its collector as it was. Under torchrun, 2 ranks."""
+    (gc.freeze): those would take 0.2 s each, and 0.7 s at the exit. Under torchrun, 2 ranks. A process that imports
+    train.py, or runs it as __main__ with torch imported already (this one: a notebook's %run, a test), keeps its
+    collector as it was, also where the run ends before it starts (--help)."""
     record = tmp_path / "collector.txt"
     check(launch(["strategy=ddp", "model._target_=tests.workers.collector_state.CollectorState", f"+model.record={record}",
                   *TINY, "trainer.max_epochs=1", "trainer.limit_train_batches=2"], tmp_path, nproc=2))
@@ -164,6 +167,10 @@ def test_a_ranks_imports_stay_out_of_the_garbage_collectors_scans_while_it_train
     assert all(enabled == "1" and int(frozen) > 100_000 for enabled, frozen in states), states
     import train  # noqa: F401
 
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setattr(sys, "argv", ["train.py", "--help"])
+    with pytest.raises(SystemExit):
+        runpy.run_path(str(Path(train.__file__)), run_name="__main__")
     assert gc.isenabled() and gc.get_freeze_count() == 0
 
 
