@@ -12,7 +12,7 @@ import time
 from collections.abc import Iterator
 from pathlib import Path
 
-if __name__ == "__main__" and "torch" not in sys.modules:  # a rank: Python's garbage collector waits for set_up_process
+if __name__ == "__main__" and "torch" not in sys.modules:  # a rank: Python's garbage collector waits out the imports
     gc.disable()
 import hydra
 import torch
@@ -25,7 +25,7 @@ from ddp.checkpoints.checkpointer import Checkpointer
 from ddp.checkpoints.resume import check_update_state_fits, find_resume_checkpoint, is_restart, load_resumed_weights, resume_training
 from ddp.config.checks import check_model_accepts, validate
 from ddp.config.schema import MULTI_PROCESS, register_configs
-from ddp.distributed.env import DistEnv, restrict_visible_gpus, select_device, set_up_process
+from ddp.distributed.env import DistEnv, collect_after_imports, restrict_visible_gpus, select_device, set_up_process
 from ddp.distributed.fsdp import check_blocks
 from ddp.distributed.process_group import all_reduce_sum, process_group, releases_process_groups, replicas_identical, resolve_backend
 from ddp.distributed.syncbn import warn_if_syncbn_without_ddp
@@ -62,18 +62,17 @@ def run(cfg: DictConfig, run_dir: Path, relaunch: str) -> dict:
     quiet_console_on_other_ranks(env)
     validate(cfg, launched=env.launched, world_size=env.world_size)  # the config, before anything starts or is written
     restrict_visible_gpus(cfg.devices)  # before the first CUDA call below
-    distributed = cfg.strategy.name in MULTI_PROCESS
     backend = resolve_backend(cfg.backend, torch.cuda.is_available())
-    device = select_device(env, backend if distributed else None, torch.cuda.device_count())
+    device = select_device(env, backend if cfg.strategy.name in MULTI_PROCESS else None, torch.cuda.device_count())
     memory_reset = reset_peak_memory(gpus := process_gpus(cfg.strategy.name, device))  # this run's peak (data included), also in a multirun
     ctx = RunContext(cfg, env, backend, device, gpus, run_dir, relaunch, memory_reset)  # what every stage reads
     warn_if_syncbn_without_ddp(cfg.syncbn, cfg.strategy.name)
-    set_up_process(cfg.deterministic, cfg.keep_freed_host_memory)  # cuDNN's algorithms, malloc, the garbage collector
+    set_up_process(cfg.deterministic, cfg.keep_freed_host_memory)  # cuDNN's algorithms; malloc keeps freed memory
     splits, task, length, model, resumed = check_startup(cfg, run_dir, world_size=env.world_size, restarted=is_restart(env))
     if cfg.mode == "eval":
         return evaluate_checkpoint(ctx, splits, task)  # evaluate.py, the recipe of mode=eval
     start_worker_server(splits.train, cfg.data.num_workers)  # for DataLoader workers, while the rank sets up (loading/loader_workers.py)
-    with process_group(backend, env, device, cfg.strategy.timeout_s) if distributed else contextlib.nullcontext():
+    with process_group(backend, env, device, cfg.strategy.timeout_s) if ctx.distributed else contextlib.nullcontext():
         with cuda_memory_history(ctx):  # profiler.memory_history: allocations recorded, a snapshot on out-of-memory
             return fit(ctx, splits, task, length, model, resumed)
 
@@ -223,6 +222,7 @@ def train_one_epoch(update: UpdateStep, batches, epoch_batches: int, position: P
 
 register_configs()
 register_resolvers()
+collect_after_imports()  # on again (where the top turned it off), the imports' objects left out of its scans
 
 
 @hydra.main(version_base="1.3", config_path="conf", config_name="config")

@@ -154,7 +154,7 @@ def test_a_training_step_reuses_the_memory_the_step_before_it_freed(tmp_path):
 
 
 def test_a_ranks_imports_stay_out_of_the_garbage_collectors_scans_while_it_trains(tmp_path, monkeypatch):
-    """A rank's imports (torch, torchvision, Hydra) make over half a million objects that live as long as the process; the
+    """A rank's imports (torch, Hydra) make hundreds of thousands of objects that live as long as the process; the
     collector, off for them, is on while the rank trains (its cyclic garbage is freed) and leaves them out of its scans
     (gc.freeze): those would take 0.2 s each, and 0.7 s at the exit. Under torchrun, 2 ranks. A process that imports
     train.py, or runs it as __main__ with torch imported already (this one: a notebook's %run, a test), keeps its

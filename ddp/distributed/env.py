@@ -117,22 +117,23 @@ def select_device(env: DistEnv, backend: str | None, visible_gpus: int) -> torch
 def set_up_process(deterministic: bool, keep_freed_memory: bool) -> None:
     """This process's own settings, before the data and model take memory: cuDNN's deterministic algorithms only and
     no benchmarking, which may pick others per run (`deterministic`); malloc keeping what the process frees
-    (`keep_freed_memory`, keep_freed_host_memory); the garbage collector back after the imports
-    (collect_after_imports). Here rather than in train.py: submitit pickles train.py's functions by value, and the
-    module object torch.backends.cudnn can't be pickled."""
+    (`keep_freed_memory`, keep_freed_host_memory). Here rather than in train.py: submitit pickles train.py's
+    functions by value, and the module object torch.backends.cudnn can't be pickled."""
     if deterministic:
         torch.backends.cudnn.deterministic, torch.backends.cudnn.benchmark = True, False
     if keep_freed_memory:
         keep_freed_host_memory()
-    collect_after_imports()
 
 
 def collect_after_imports() -> None:
     """Python's cyclic garbage collector back on, where train.py turned it off for a rank's imports, leaving what they
-    made out of its scans (gc.freeze). A rank's imports (torch, torchvision, Hydra) make 570,000 objects that live as
-    long as the process: the collector scanned them again and again as they came (0.8 s of CPU a rank, of 3.7 s),
-    at every full collection of the run (0.2 s each) and at the interpreter's exit (0.7 s). Where the collector is on
-    (a test's process, a sweep's next job), nothing changes."""
+    made out of its scans (gc.freeze). A rank's imports (torch, Hydra, torchvision where imported) make 300,000 to
+    570,000 objects that live as long as the process: the collector scanned them again and again as they came (0.8 s
+    of CPU a rank, of 3.7 s), at every full collection of the run (0.2 s each) and at the interpreter's exit (0.7 s).
+    Called at the end of the imports, not later: a frozen object is never collected, nor what it refers to, and a
+    frame of the run frozen with it (run's own, say, kept by a frame that a caught exception left in a cycle) would
+    keep the run's model, process groups and loaders alive past its end. Where the collector is on (a test's
+    process), nothing changes."""
     if not gc.isenabled():
         gc.freeze()
         gc.enable()

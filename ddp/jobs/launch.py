@@ -16,7 +16,6 @@ from torch.distributed.launcher.api import LaunchConfig, elastic_launch
 
 from ddp.checkpoints.checkpoint import DiskFull
 from ddp.config.schema import ConfigError
-from ddp.distributed.env import collect_after_imports
 from ddp.jobs.preemption import Interrupted
 from ddp.reporting.profiling import OutOfMemory
 from ddp.training.update import Diverged
@@ -36,7 +35,6 @@ LOG_FORMAT = "[%(asctime)s][rank {rank}][%(name)s][%(levelname)s] %(message)s"
 def launch_workers(run: Callable, cfg: DictConfig, run_dir: Path, relaunch: str, job_name: str, nproc: int,
                    max_restarts: int) -> dict[str, Any]:
     """Run `run(cfg, run_dir, relaunch)` on `nproc` local worker processes and return rank 0's result."""
-    collect_after_imports()  # this process, which waits for its workers, runs no set_up_process
     launch_config = LaunchConfig(
         min_nodes=1,
         max_nodes=1,
