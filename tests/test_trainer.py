@@ -165,7 +165,7 @@ def test_a_ranks_imports_stay_out_of_the_garbage_collectors_scans_while_it_train
     states = [line.split() for line in record.read_text().splitlines()]
     assert len(states) == 4  # 2 steps on each rank
     assert all(enabled == "1" and int(frozen) > 100_000 for enabled, frozen in states), states
-    import train  # noqa: F401
+    import train
 
     monkeypatch.chdir(tmp_path)
     monkeypatch.setattr(sys, "argv", ["train.py", "--help"])

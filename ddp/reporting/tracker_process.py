@@ -125,8 +125,8 @@ class _ToRankZero(logging.handlers.QueueHandler):
 
 def main(fd: int) -> None:
     # The trackers' opening leaves 430,000 objects (MLflow's import and store) that live as long as the process.
-    # Python's cyclic garbage collector scanned them again and again as they came (0.5 of the opening's 2.2 s of
-    # CPU) and once more at the exit (0.7 s), on cores that the ranks use: it waits until the trackers are open,
+    # Python's cyclic garbage collector scanned them again and again as they came (0.5 s of the opening's 2.2 s
+    # of CPU) and once more at the exit (0.7 s), on cores that the ranks use: it waits until the trackers are open,
     # and then leaves what they made (gc.freeze) to the collections of what comes later
     gc.disable()
     from ddp.reporting.trackers import open_trackers

@@ -1,6 +1,6 @@
 """A model for tests: small_cnn that appends, at each training forward, the minor page faults its process has taken
 so far to the file `record` names (one line each), so that consecutive lines differ by one whole training step's
-faults: its backward, its optimizer step and the next batch's loading.
+faults: its backward, its optimizer step and the next batch's loading. Subclasses record something else (`measure`).
 
     python train.py model._target_=tests.workers.step_faults.StepFaults +model.record=faults.txt ...
 """
@@ -15,8 +15,11 @@ class StepFaults(SmallCNN):
         super().__init__(num_classes, in_channels, channels, **options)
         self.record = record
 
+    def measure(self) -> str:
+        return str(resource.getrusage(resource.RUSAGE_SELF).ru_minflt)
+
     def forward(self, x):
         if self.training:
             with open(self.record, "a") as file:
-                file.write(f"{resource.getrusage(resource.RUSAGE_SELF).ru_minflt}\n")
+                file.write(f"{self.measure()}\n")
         return super().forward(x)
