@@ -261,6 +261,31 @@ def test_mlflow_runs_outside_the_training_process_and_a_ctrl_c_still_ends_its_ru
     assert steps == sorted(tensorboard_scalars(run_dir)["train/loss"]) and 1 < len(steps) < 160, steps
 
 
+def test_the_trackers_process_imports_mlflow_and_nothing_of_the_trainings(tmp_path):
+    """What the trackers' process imports is CPU time taken from the ranks' cores (docs/tracking.md, Cost): it
+    imports MLflow and its store, and neither torch nor Hydra nor OmegaConf. Its imports are read from Python's
+    own record of them (PYTHONPROFILEIMPORTTIME, set for it alone), while it opens an MLflow run and logs a point."""
+    store = tmp_path / "mlflow.db"
+    code = ("import os, sys\n"
+            "from pathlib import Path\n"
+            "from ddp.reporting.tracker_process import TrackerProcess\n"
+            "from ddp.reporting.trackers import TrackedRun\n"
+            "os.environ['PYTHONPROFILEIMPORTTIME'] = '1'  # read by the process it starts; this one's imports are done\n"
+            "logger = {'tensorboard': {}, 'mlflow': {'tracking_uri': sys.argv[1], 'experiment': None}, 'wandb': None}\n"
+            "trackers = TrackerProcess(lambda: (logger, TrackedRun(Path.cwd(), {'optim.lr': '0.1'}, None, []), []))\n"
+            "trackers.add_scalar('train/loss', 0.5, 1)\n"
+            "trackers.commit()\n"
+            "trackers.close(failed=False)\n")
+    done = subprocess.run([sys.executable, "-c", code, f"sqlite:///{store}"], cwd=tmp_path, capture_output=True, text=True,
+                          timeout=300)
+    assert done.returncode == 0, done.stderr[-4000:]
+    imported = {line.rsplit("|", 1)[1].strip().split(".")[0] for line in done.stderr.splitlines() if line.startswith("import time:")}
+    assert "mlflow" in imported and "sqlalchemy" in imported, done.stderr[-4000:]
+    assert not imported & {"torch", "hydra", "omegaconf"}, sorted(imported & {"torch", "hydra", "omegaconf"})
+    (run,) = mlflow_runs(store)
+    assert run.data.metrics == {"train/loss": 0.5} and run.data.params == {"optim.lr": "0.1"}
+
+
 # --- a tracker's own failure ------------------------------------------------------------------------------
 
 def test_an_mlflow_server_gone_mid_run_is_one_line_and_the_run_and_its_files_go_on(tmp_path):

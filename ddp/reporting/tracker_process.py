@@ -30,8 +30,6 @@ from pathlib import Path
 from socket import socketpair
 from typing import Any
 
-from omegaconf import OmegaConf
-
 from ddp.reporting.rank_zero import call_each, one_line
 
 log = logging.getLogger("train")
@@ -139,7 +137,7 @@ def main(fd: int) -> None:
         if call != "open":
             return
         logger_cfg, run, earlier_points, sys.argv = args  # argv: what the trackers record as the program, the training's
-        trackers = open_trackers(OmegaConf.create(logger_cfg), run, earlier_points)
+        trackers = open_trackers(logger_cfg, run, earlier_points)
         gc.freeze()
         gc.enable()
         while call != "close":

@@ -17,96 +17,34 @@ store take seconds of Python, which the training neither waits for nor shares Py
 
 import contextlib
 import fcntl
-import importlib.util
 import json
 import logging
 import os
 import struct
 import time
-import urllib.error
-import urllib.request
+from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy
-from omegaconf import DictConfig, OmegaConf
 
-from ddp.config.schema import ConfigError
 from ddp.reporting.rank_zero import call_each, one_line, write_json
+
+if TYPE_CHECKING:  # not imported: the trackers' own process imports this module, and neither Hydra nor OmegaConf
+    from omegaconf import DictConfig
 
 log = logging.getLogger("train")
 
 TRACKERS = ("mlflow", "wandb")  # logger options besides tensorboard
-# make train installs neither tracker; make install adds one to .venv, pip to an environment of the user's own
-INSTALL = {name: f"make install EXTRAS={name} (or, in an environment of your own: pip install -e '.[{name}]')" for name in TRACKERS}
 STATE_FILE = "trackers.json"  # in the run dir: each tracker's run id
 JOURNAL_FILE = "tracker_points.jsonl"  # in the run dir: every point sent to the trackers (PointJournal)
 LOCAL_MLFLOW_STORE = Path("outputs") / "mlflow.db"  # beside the run dirs; `make mlflow-ui` serves it
-WANDB_MODES = ("auto", "online", "offline")
 
 
-def picked(logger_cfg: DictConfig) -> list[str]:
+def picked(logger_cfg: Mapping[str, Any]) -> list[str]:
     """The logger options this run uses, e.g. ["tensorboard", "mlflow"]."""
     return [name for name in ("tensorboard", *TRACKERS) if logger_cfg.get(name) is not None]
-
-
-# --- startup checks: one line each, before anything starts ---------------------------------------
-
-def check_trackers(logger_cfg: DictConfig) -> None:
-    """The picked trackers are installed and their settings usable (a server reachable)."""
-    for name in picked(logger_cfg):
-        if name != "tensorboard" and importlib.util.find_spec(name) is None:
-            raise ConfigError(f"logger={name}: {name} is not installed; install it with: {INSTALL[name]}")
-    if logger_cfg.mlflow is not None and logger_cfg.mlflow.tracking_uri:
-        check_mlflow_uri(logger_cfg.mlflow.tracking_uri)
-    if logger_cfg.wandb is not None:
-        mode = logger_cfg.wandb.mode
-        if mode not in WANDB_MODES:
-            raise ConfigError(f"logger.wandb.mode={mode}: unknown, use one of {', '.join(WANDB_MODES)}")
-        if mode == "online" and not wandb_api_key_set():
-            raise ConfigError("logger.wandb.mode=online: no W&B API key is set up; run `wandb login` (or set WANDB_API_KEY), "
-                              "or use logger.wandb.mode=auto to run offline until then")
-        check_wandb_environment()
-
-
-def check_mlflow_uri(uri: str) -> None:
-    key = f"logger.mlflow.tracking_uri={uri}"
-    scheme = uri.split("://", 1)[0] if "://" in uri else ""
-    if scheme in ("http", "https"):
-        try:  # the tracking server's health endpoint
-            with urllib.request.urlopen(uri.rstrip("/") + "/health", timeout=5):
-                pass
-        except (urllib.error.URLError, OSError, ValueError) as error:
-            reason = getattr(error, "reason", error)
-            raise ConfigError(f"{key}: the server can't be reached ({reason}); start it, fix the URL, "
-                              "or drop the key for the local store outputs/mlflow.db") from None
-    elif scheme == "sqlite":
-        path = Path(uri.removeprefix("sqlite:///"))
-        if not path.parent.is_dir():
-            raise ConfigError(f"{key}: the folder {path.parent} doesn't exist; create it or drop the key for outputs/mlflow.db")
-    elif scheme not in ("databricks", "file", "postgresql", "mysql", "mssql"):
-        raise ConfigError(f"{key}: not a tracking URI; use http(s)://<host>:<port> for a server or sqlite:///<file>")
-
-
-def check_wandb_environment() -> None:
-    """The WANDB_* variables as W&B reads them when a run starts (wandb_setup: Settings.update_from_env_vars, which
-    validates each one as it sets it, in the environment's order): one it rejects would otherwise only be logged then,
-    and the run would go on without W&B. Setting them one at a time names the variable; nothing starts."""
-    from pydantic import ValidationError
-    from wandb.errors import UsageError  # what some of its validators raise instead (the API key's)
-    from wandb.sdk.wandb_settings import Settings
-
-    settings = Settings()
-    for name, value in os.environ.items():
-        if not name.startswith("WANDB_"):
-            continue
-        try:
-            settings.update_from_env_vars({name: value})
-        except (ValidationError, UsageError) as error:
-            reason = "; ".join(problem["msg"] for problem in error.errors()) if isinstance(error, ValidationError) else error
-            shown = name if "KEY" in name else f"{name}={value!r}"  # an API key stays off the console
-            raise ConfigError(f"{shown} in the environment: W&B rejects it ({reason}); set a value W&B accepts, or unset it") from None
 
 
 def wandb_api_key_set() -> bool:
@@ -133,9 +71,11 @@ class TrackedRun:
     overrides: list[str]  # the job's command-line overrides
 
     @classmethod
-    def of(cls, cfg: DictConfig, run_dir: Path) -> "TrackedRun":
+    def of(cls, cfg: "DictConfig", run_dir: Path) -> "TrackedRun":
         """The sweep and overrides come from the run dir's .hydra/, which every launcher writes (torchrun,
-        self-launched DDP, submitit): a spawned worker has no HydraConfig."""
+        self-launched DDP, submitit): a spawned worker has no HydraConfig. Rank 0 computes it."""
+        from omegaconf import OmegaConf
+
         hydra_dir, sweep, overrides = run_dir / ".hydra", None, []
         if (hydra_dir / "overrides.yaml").exists():
             overrides = list(OmegaConf.load(hydra_dir / "overrides.yaml"))
@@ -171,7 +111,7 @@ def write_state(run_dir: Path, name: str, state: dict[str, Any]) -> None:
     write_json(read_state(run_dir) | {name: state}, run_dir / STATE_FILE)
 
 
-def where_to_look(logger_cfg: DictConfig, run_dir: Path) -> list[str]:
+def where_to_look(logger_cfg: "DictConfig", run_dir: Path) -> list[str]:
     """The console's last lines: where each picked logger keeps the run, and the command that shows it."""
     lines, state = [], read_state(run_dir)
     if logger_cfg.tensorboard is not None:
@@ -222,7 +162,7 @@ def _journal_point(line: str) -> tuple[str, float, int] | None:
     return tag, value, step
 
 
-def open_trackers(logger_cfg: DictConfig, run: TrackedRun, earlier_points: list[tuple[str, float, int]]) -> list:
+def open_trackers(logger_cfg: Mapping[str, Any], run: TrackedRun, earlier_points: list[tuple[str, float, int]]) -> list:
     """Rank 0's trackers, each continuing the run dir's earlier tracker run if it has one, and sent the
     `earlier_points` (the journal's) that it lacks. One that can't start is named in one line and left
     out: the training doesn't depend on it."""
@@ -301,12 +241,12 @@ class MLflowTracker(Tracker):
 
     name = "mlflow"
 
-    def __init__(self, cfg: DictConfig, run: TrackedRun):
+    def __init__(self, cfg: Mapping[str, Any], run: TrackedRun):
         super().__init__(run)
         from mlflow.tracking import MlflowClient
 
-        self.uri = cfg.tracking_uri or f"sqlite:///{LOCAL_MLFLOW_STORE.resolve()}"
-        if not cfg.tracking_uri:
+        self.uri = cfg["tracking_uri"] or f"sqlite:///{LOCAL_MLFLOW_STORE.resolve()}"
+        if not cfg["tracking_uri"]:
             LOCAL_MLFLOW_STORE.parent.mkdir(parents=True, exist_ok=True)
         # MLflow retries a server that stopped answering for minutes (7 times, 120 s each), while every rank
         # waits for rank 0; fail fast instead, once, and go on without it (the user's own settings win)
@@ -318,7 +258,7 @@ class MLflowTracker(Tracker):
             self._start_run(cfg, run)
         self.add_params(run.params)
 
-    def _start_run(self, cfg: DictConfig, run: TrackedRun) -> None:
+    def _start_run(self, cfg: Mapping[str, Any], run: TrackedRun) -> None:
         """Continues the run dir's MLflow run (reading the last step of each of its metrics), or starts one."""
         self.last_steps: dict[str, int] = {}  # per metric, the last step the run has (a continued run's)
         saved = read_state(run.run_dir).get(self.name)
@@ -330,7 +270,7 @@ class MLflowTracker(Tracker):
             self.client.update_run(self.run_id, status="RUNNING")
             log.info("mlflow: continuing run %s (%s)", self.run_id, self.uri)
         else:
-            experiment = cfg.experiment or run.sweep or "hydra-ddp"
+            experiment = cfg["experiment"] or run.sweep or "hydra-ddp"
             tags = {"run_dir": str(run.run_dir.resolve()), "overrides": " ".join(run.overrides)}
             if run.sweep:
                 tags["sweep"] = run.sweep
@@ -391,23 +331,23 @@ class WandbTracker(Tracker):
 
     name = "wandb"
 
-    def __init__(self, cfg: DictConfig, run: TrackedRun):
+    def __init__(self, cfg: Mapping[str, Any], run: TrackedRun):
         super().__init__(run)
         import wandb
 
         saved = read_state(run.run_dir).get(self.name)
-        mode = cfg.mode if cfg.mode != "auto" else ("online" if wandb_api_key_set() else "offline")
+        mode = cfg["mode"] if cfg["mode"] != "auto" else ("online" if wandb_api_key_set() else "offline")
         # W&B's steps are rows, and it drops a row at or before its last one: a continued run starts after
         # the last step W&B has, which the server knows online and the earlier attempts' files show offline
         self.continues_after = last_offline_step(run.run_dir, saved["id"]) if saved else -1
         self.wandb_run = wandb.init(
-            project=cfg.project, entity=cfg.entity, mode=mode, dir=str(run.run_dir), id=saved["id"] if saved else None,
+            project=cfg["project"], entity=cfg["entity"], mode=mode, dir=str(run.run_dir), id=saved["id"] if saved else None,
             resume="allow", group=run.sweep, name=run.run_dir.name, config=dict(run.params),
             tags=None, notes=" ".join(run.overrides) or None, settings=wandb.Settings(console="off", silent=True))
         if saved and mode == "online":
             self.continues_after = self.wandb_run.starting_step - 1
         write_state(run.run_dir, self.name, {"id": self.wandb_run.id})
-        log.info("wandb: %s run %s (%s)%s", mode, self.wandb_run.id, run.sweep or cfg.project,
+        log.info("wandb: %s run %s (%s)%s", mode, self.wandb_run.id, run.sweep or cfg["project"],
                  f"; upload it later with: wandb sync {run.run_dir}/wandb/offline-run-*" if mode == "offline" else "")
 
     def has(self, tag: str, step: int) -> bool:
