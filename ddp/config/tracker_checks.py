@@ -1,6 +1,7 @@
 """The startup checks of logger=mlflow and logger=wandb: the trackers installed, an MLflow URI usable (its
 server reachable), W&B's mode and WANDB_* variables what W&B accepts. One line each, raised before anything
-starts. Apart from the trackers (ddp/reporting/trackers.py), whose own process imports neither Hydra nor OmegaConf."""
+starts. They live apart from the trackers (ddp/reporting/trackers.py), which run in a process of their own that
+imports neither Hydra nor OmegaConf."""
 
 import importlib.util
 import os
