@@ -9,6 +9,7 @@ by torchrun (--max-restarts), then continued longer with resume=<run dir> by sel
 import contextlib
 import json
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -261,29 +262,51 @@ def test_mlflow_runs_outside_the_training_process_and_a_ctrl_c_still_ends_its_ru
     assert steps == sorted(tensorboard_scalars(run_dir)["train/loss"]) and 1 < len(steps) < 160, steps
 
 
-def test_the_trackers_process_imports_mlflow_and_nothing_of_the_trainings(tmp_path):
+def test_the_trackers_process_imports_mlflow_and_its_store_and_nothing_else_it_would_not_use(tmp_path):
     """What the trackers' process imports is CPU time taken from the ranks' cores (docs/tracking.md, Cost): it
-    imports MLflow and its store, and neither torch nor Hydra nor OmegaConf. Its imports are read from Python's
-    own record of them (PYTHONPROFILEIMPORTTIME, set for it alone), while it opens an MLflow run and logs a point."""
+    imports MLflow and its store, and neither the training's torch, Hydra or OmegaConf nor the pandas, pyarrow
+    and scipy that MLflow imports wherever they are installed. Its imports are read from Python's own record of
+    them (PYTHONVERBOSE's line per module loaded, set for it alone), while it opens an MLflow run and logs a point and
+    an image."""
     store = tmp_path / "mlflow.db"
     code = ("import os, sys\n"
             "from pathlib import Path\n"
+            "import torch\n"
             "from ddp.reporting.tracker_process import TrackerProcess\n"
             "from ddp.reporting.trackers import TrackedRun\n"
-            "os.environ['PYTHONPROFILEIMPORTTIME'] = '1'  # read by the process it starts; this one's imports are done\n"
+            "os.environ['PYTHONVERBOSE'] = '1'  # read by the process it starts; this one's imports are done\n"
             "logger = {'tensorboard': {}, 'mlflow': {'tracking_uri': sys.argv[1], 'experiment': None}, 'wandb': None}\n"
             "trackers = TrackerProcess(lambda: (logger, TrackedRun(Path.cwd(), {'optim.lr': '0.1'}, None, []), []))\n"
             "trackers.add_scalar('train/loss', 0.5, 1)\n"
+            "trackers.add_image('val/samples', torch.zeros(3, 8, 8), 1)\n"
             "trackers.commit()\n"
             "trackers.close(failed=False)\n")
     done = subprocess.run([sys.executable, "-c", code, f"sqlite:///{store}"], cwd=tmp_path, capture_output=True, text=True,
                           timeout=300)
     assert done.returncode == 0, done.stderr[-4000:]
-    imported = {line.rsplit("|", 1)[1].strip().split(".")[0] for line in done.stderr.splitlines() if line.startswith("import time:")}
+    imported = set(re.findall(r"^import '(\w+)", done.stderr, re.MULTILINE))  # the packages of the modules it loaded
     assert "mlflow" in imported and "sqlalchemy" in imported, done.stderr[-4000:]
-    assert not imported & {"torch", "hydra", "omegaconf"}, sorted(imported & {"torch", "hydra", "omegaconf"})
+    unused = {"torch", "hydra", "omegaconf", "pandas", "pyarrow", "scipy"}
+    assert not imported & unused, sorted(imported & unused)
     (run,) = mlflow_runs(store)
     assert run.data.metrics == {"train/loss": 0.5} and run.data.params == {"optim.lr": "0.1"}
+    (image,) = mlflow_client(store).list_artifacts(run.info.run_id, "val/samples")
+    assert image.path == "val/samples/step_00000001.png"
+
+
+def test_what_mlflows_import_goes_without_is_importable_again_after_it():
+    """pandas, pyarrow and scipy are hidden only while MLflow imports (trackers.modules_hidden): W&B, in the same
+    process, and anything after it import them as installed."""
+    code = ("from ddp.reporting.trackers import MLFLOW_UNUSED_IMPORTS, modules_hidden\n"
+            "with modules_hidden(MLFLOW_UNUSED_IMPORTS):\n"
+            "    try:\n"
+            "        import pandas\n"
+            "    except ImportError:\n"
+            "        print('hidden inside')\n"
+            "import pandas, pyarrow, scipy\n"
+            "print('imported after')\n")
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
+    assert done.stdout.split("\n")[:2] == ["hidden inside", "imported after"], done.stdout + done.stderr[-2000:]
 
 
 # --- a tracker's own failure ------------------------------------------------------------------------------
