@@ -76,7 +76,8 @@ class TrackedRun:
     @classmethod
     def of(cls, cfg: "DictConfig", run_dir: Path) -> "TrackedRun":
         """The sweep and overrides come from the run dir's .hydra/, which every launcher writes (torchrun,
-        self-launched DDP, submitit): a spawned worker has no HydraConfig. Rank 0 computes it."""
+        self-launched DDP, submitit): a spawned worker has no HydraConfig. Computed on rank 0: OmegaConf is imported
+        here, and not in the trackers' process, which receives the result."""
         from omegaconf import OmegaConf
 
         hydra_dir, sweep, overrides = run_dir / ".hydra", None, []
