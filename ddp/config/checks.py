@@ -11,8 +11,8 @@ from omegaconf import DictConfig, OmegaConf
 
 from ddp.config.builder_options import builder_options
 from ddp.config.schema import BUILDERS, MULTI_PROCESS, ConfigError
-from ddp.loading.batches import sample_image
 from ddp.config.tracker_checks import check_trackers
+from ddp.loading.batches import sample_image
 
 
 def check_model_accepts(model: torch.nn.Module, sample: Any) -> None:
