@@ -260,7 +260,7 @@ class MLflowTracker(Tracker):
 
     def __init__(self, cfg: Mapping[str, Any], run: TrackedRun):
         super().__init__(run)
-        # MLflow imports pandas, pyarrow and scipy wherever they are installed: 0.3 s of CPU on the cores the ranks use.
+        # MLflow imports pandas, pyarrow and scipy wherever they are installed: 0.24 s of CPU on the cores the ranks use.
         # It imports without them, as where only mlflow-skinny is installed, and the tracker's calls don't use them
         with modules_hidden(MLFLOW_UNUSED_IMPORTS):
             from mlflow.tracking import MlflowClient
