@@ -14,14 +14,15 @@ from ddp.checkpoints.resume import find_resume_checkpoint, load_model_state, sta
 from ddp.config.checks import check_model_accepts
 from ddp.config.schema import ConfigError, TaskConfig
 from ddp.distributed.process_group import process_group
-from ddp.distributed.wrap import wrap_model
 from ddp.jobs.failures import startup_passed
+from ddp.loading.batches import sample_image
 from ddp.loading.loader_workers import start_worker_server
 from ddp.loading.loaders import build_val_loader
 from ddp.reporting.rank_zero import write_json
 from ddp.run_context import RunContext
 from ddp.training.ema import build_ema
 from ddp.training.evaluation import evaluate_with_ema
+from ddp.training.wrap import wrap_model
 from models import build_model
 
 log = logging.getLogger("train")  # the run's own console lines, under the script's name
@@ -49,7 +50,7 @@ def evaluate_checkpoint(ctx: RunContext, splits, task) -> dict:
             raise ConfigError(f"resume={cfg.resume}: {error}") from None
     model = build_model({**checkpoint["config"]["model"], "weights_path": None}, splits.num_classes, splits.in_channels,
                         with_heads=task.with_heads)
-    check_model_accepts(model, dataset[0])
+    check_model_accepts(model, sample_image(dataset[0]))
     check_task_fits(model, state, path, OmegaConf.to_container(cfg.task, resolve=True), checkpoint["config"].get("task"))
     load_model_state(model, state, path)
     ema = None

@@ -25,17 +25,15 @@ from ddp.checkpoints.checkpointer import Checkpointer
 from ddp.checkpoints.resume import check_update_state_fits, find_resume_checkpoint, is_restart, load_resumed_weights, resume_training
 from ddp.config.checks import check_model_accepts, validate
 from ddp.config.schema import MULTI_PROCESS, register_configs
-from ddp.distributed.env import DistEnv, collect_after_imports, restrict_visible_gpus, select_device, set_up_process
+from ddp.distributed.env import DistEnv, collect_after_imports, process_gpus, restrict_visible_gpus, select_device, set_up_process
 from ddp.distributed.fsdp import check_blocks
 from ddp.distributed.process_group import all_reduce_sum, process_group, releases_process_groups, replicas_identical, resolve_backend
-from ddp.distributed.syncbn import warn_if_syncbn_without_ddp
-from ddp.distributed.wrap import prepare_model, process_gpus, seed_this_rank
 from ddp.jobs.failures import end_failed_job, record, startup_passed
-from ddp.jobs.faults import SampleRecorder, slow_down
+from ddp.training.faults import SampleRecorder, slow_down
 from ddp.jobs.launch import launch_workers
 from ddp.jobs.preemption import StopOnSignal, resume_command
 from ddp.jobs.run_dir import register_resolvers
-from ddp.loading.batches import BatchPlacement, batch_size, one_sample_batch
+from ddp.loading.batches import BatchPlacement, batch_size, one_sample_batch, sample_image
 from ddp.loading.loader_workers import start_worker_server
 from ddp.loading.loaders import build_train_loader, build_val_loader, iterate_from, start_epoch
 from ddp.reporting.meter import reset_peak_memory
@@ -43,13 +41,15 @@ from ddp.reporting.monitor import RunMonitor
 from ddp.reporting.profiling import cuda_memory_history
 from ddp.reporting.rank_zero import quiet_console_on_other_ranks
 from ddp.reporting.results import log_hparams, log_results, log_setup, training_results, write_results
+from ddp.reporting.tracker_checks import check_trackers
 from ddp.run_context import RunContext
 from ddp.training.evaluation import Validator
 from ddp.training.frozen import check_frozen_fits, prepare_frozen
-from ddp.training.housekeeping import Housekeeping
+from ddp.jobs.housekeeping import Housekeeping
 from ddp.training.optimizer import build_optimizer, build_scheduler, check_optimizer, check_schedule, scaled_lr
 from ddp.training.progress import Position, TrainingLength
 from ddp.training.update import UpdateStep
+from ddp.training.wrap import prepare_model, seed_this_rank
 from evaluate import evaluate_checkpoint, use_checkpoint_task
 from models import build_model
 from tasks import build_task
@@ -66,7 +66,6 @@ def run(cfg: DictConfig, run_dir: Path, relaunch: str) -> dict:
     device = select_device(env, backend if cfg.strategy.name in MULTI_PROCESS else None, torch.cuda.device_count())
     memory_reset = reset_peak_memory(gpus := process_gpus(cfg.strategy.name, device))  # this run's peak (data included), also in a multirun
     ctx = RunContext(cfg, env, backend, device, gpus, run_dir, relaunch, memory_reset)  # what every stage reads
-    warn_if_syncbn_without_ddp(cfg.syncbn, cfg.strategy.name)
     set_up_process(cfg.deterministic, cfg.keep_freed_host_memory)  # cuDNN's algorithms; malloc keeps freed memory
     splits, task, length, model, resumed = check_startup(cfg, run_dir, world_size=env.world_size, restarted=is_restart(env))
     if cfg.mode == "eval":
@@ -84,11 +83,12 @@ def check_startup(cfg: DictConfig, run_dir: Path, *, world_size: int, restarted:
     splits = build_datasets(cfg.data)
     if cfg.mode == "eval":  # nothing trains, so no data.views to check: evaluation's samples are one view each
         return splits, build_task(cfg.task, splits.num_classes, splits.class_names, splits.in_channels, views=None), None, None, None
+    check_trackers(cfg.logger)  # logger=mlflow, wandb: installed, their settings usable
     task = build_task(cfg.task, splits.num_classes, splits.class_names, splits.in_channels, cfg.data.get("views", 1))
     length = TrainingLength.of(cfg.trainer, len(splits.train), cfg.data.batch_size, world_size)
     check_schedule(cfg.scheduler, length.total_updates, length.updates_per_epoch)
     model = build_model(cfg.model, splits.num_classes, splits.in_channels, with_heads=task.with_heads)
-    check_model_accepts(model, splits.val[0])
+    check_model_accepts(model, sample_image(splits.val[0]))
     check_blocks(model, cfg.strategy)
     check_optimizer(cfg.optim)  # the real optimizer needs the wrapped model
     resumed = find_resume_checkpoint(cfg.resume, run_dir, restarted)

@@ -14,7 +14,7 @@ from conftest import REPO
 from ddp.checkpoints.resume import capture_rank_state, restore_rank_state
 from ddp.config.schema import ConfigError
 from ddp.distributed.env import DistEnv, restrict_visible_gpus, select_device
-from ddp.distributed.wrap import process_gpus
+from ddp.distributed.env import process_gpus
 
 
 def _rank(local_rank: int, local_world_size: int = 8) -> DistEnv:

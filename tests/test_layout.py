@@ -1,8 +1,13 @@
-"""The code's layout stays readable (docs/layout.md): no import cycles among the project's modules,
-lazy imports included; `ddp/` grouped into a few folders of a few modules each; no signature that
-state is passed through by hand; train.py short enough to read as the recipe. Read from the source
-with `ast`, nothing is run."""
+"""The code's layout stays readable (docs/layout.md): `ddp/`'s folders are layers, each importing only
+those below it, and the other import contracts of pyproject.toml hold (import-linter, lazy imports
+included); no import cycles among the project's modules; `ddp/` grouped into a few folders of a few
+modules each; no signature that state is passed through by hand; train.py short enough to read as the
+recipe. Read from the source, nothing of the project is run."""
 import ast
+import re
+import subprocess
+import sys
+import tomllib
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
@@ -12,6 +17,26 @@ MAX_TRAIN_PY_PARAMETERS = 7  # a function of train.py
 MAX_PARAMETERS = 8  # a call in train.py; a function or constructor of ddp/
 # They mirror a signature that isn't ours: torch's BatchNorm, and the inputs of the op an autograd Function computes.
 EXEMPT = {"ddp/distributed/syncbn.py:CPUSyncBatchNorm.__init__", "ddp/distributed/syncbn.py:_SyncBatchNormFn.forward"}
+
+
+def test_ddps_folders_are_layers_and_the_import_contracts_hold():
+    """`lint-imports` checks pyproject.toml's contracts: a failure names the contract and the chain of
+    imports that breaks it (`ddp.config.checks -> ddp.loading.batches (l.12)`)."""
+    lint = subprocess.run([Path(sys.executable).with_name("lint-imports"), "--no-cache"], cwd=REPO,
+                          capture_output=True, text=True, timeout=120)
+    assert lint.returncode == 0, lint.stdout[lint.stdout.find("Broken contracts"):] + lint.stderr
+
+
+def test_the_layout_page_shows_the_layers_of_the_contract():
+    """docs/layout.md's table of layers lists ddp/'s folders in the contract's order, bottom to top."""
+    contracts = tomllib.loads((REPO / "pyproject.toml").read_text())["tool"]["importlinter"]["contracts"]
+    (layers,) = [contract["layers"] for contract in contracts if contract["type"] == "layers"]
+    bottom_up = [{name.strip() for name in layer.split("|")} for layer in reversed(layers)]
+    page = (REPO / "docs" / "layout.md").read_text()
+    table = page[page.index("## The layers"):page.index("## Every module")]
+    documented = [{re.sub(r"^ddp/|/$|\.py$", "", name) for name in re.findall(r"`(ddp/[^`]+)`", row.split("|")[1])}
+                  for row in table.splitlines() if row.startswith("| `ddp/")]
+    assert documented == bottom_up, (documented, bottom_up)
 
 
 def modules() -> dict[str, Path]:

@@ -1,1 +1,1 @@
-"""What a run may be asked to do: the typed schemas, the startup checks, and a builder's options."""
+"""What a run may be asked to do: the typed schemas, the startup checks of its values, and a builder's options."""

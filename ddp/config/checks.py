@@ -3,6 +3,7 @@ and the model against the data's samples (`check_model_accepts`). Each failure i
 ConfigError naming the key and the fix, raised before anything is started or written."""
 
 import dataclasses
+import logging
 from pathlib import Path
 from typing import Any
 
@@ -11,15 +12,14 @@ from omegaconf import DictConfig, OmegaConf
 
 from ddp.config.builder_options import builder_options
 from ddp.config.schema import BUILDERS, MULTI_PROCESS, ConfigError
-from ddp.config.tracker_checks import check_trackers
-from ddp.loading.batches import sample_image
+
+log = logging.getLogger(__name__)
 
 
-def check_model_accepts(model: torch.nn.Module, sample: Any) -> None:
+def check_model_accepts(model: torch.nn.Module, image: torch.Tensor) -> None:
     """One dataset sample's image (ddp/loading/batches.py: sample_image) through the model in eval mode,
-    so data the model can't take (an image too small for its pooling, the wrong channel count, a sample
-    without an image where one is looked for) stops the run now, as a one-line error."""
-    image = sample_image(sample)
+    so data the model can't take (an image too small for its pooling, the wrong channel count) stops the
+    run now, as a one-line error."""
     was_training = model.training
     try:
         with torch.no_grad():
@@ -44,6 +44,13 @@ BACKENDS = ("auto", "nccl", "gloo")
 DIRECTIONS = ("maximize", "minimize")
 OBJECTIVES = ("final", "best")
 BEST_OF = ("model", "ema")
+# What BatchNorm does with syncbn=true outside DDP, where it changes nothing: validate warns.
+SYNCBN_WITHOUT_DDP = {
+    "single": "one process, so BatchNorm already sees the whole batch; it applies to strategy=ddp",
+    "dp": "DataParallel's replicas each normalise their own chunk of the batch, and the running statistics "
+          "come from the first GPU's chunk only; SyncBN does not work under DataParallel (pytorch#38940), "
+          "use strategy=ddp syncbn=true to normalise over the whole batch",
+}
 
 
 def _check(ok: bool, message: str) -> None:
@@ -65,7 +72,7 @@ def _unknown_keys(node: DictConfig, prefix: str = "") -> list[str]:
 
 
 def validate(cfg: Any, *, launched: bool, world_size: int) -> None:
-    """Check what the schema's types can't, before anything is started or written."""
+    """Check what the schema's types can't, before anything is started or written; warn of a setting that changes nothing."""
     for key in _unknown_keys(cfg):
         raise ConfigError(f"{key}: unknown key; check the spelling (`python train.py --cfg job` lists the keys)")
     for group in BUILDERS:
@@ -184,13 +191,13 @@ def validate(cfg: Any, *, launched: bool, world_size: int) -> None:
     if strategy == "fsdp":
         _check_fsdp_settings(cfg)
     _check_profiler_settings(cfg.profiler)
-    if cfg.mode == "train":
-        check_trackers(cfg.logger)
     if cfg.data.get("download", False):
         _check(world_size == 1, "data.download=true: download with one process first, then launch torchrun with data.download=false")
     root = cfg.data.get("root")
     if root is not None and not cfg.data.get("download", False):
         _check(Path(root).is_dir(), f"data.root={root}: no such directory; point data.root at the dataset's folder")
+    if cfg.syncbn and strategy in SYNCBN_WITHOUT_DDP:
+        log.warning("syncbn=true has no effect with strategy=%s: %s", strategy, SYNCBN_WITHOUT_DDP[strategy])
 
 
 def _check_profiler_settings(profiler: Any) -> None:

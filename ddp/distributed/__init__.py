@@ -1,2 +1,2 @@
-"""Where a process stands and how the processes work together: env, process group, DTensor helpers,
-FSDP, SyncBN, wrapping."""
+"""Where a process stands and how the processes work together: env and devices, process group, DTensor
+helpers, FSDP, SyncBN."""

@@ -114,6 +114,16 @@ def select_device(env: DistEnv, backend: str | None, visible_gpus: int) -> torch
     return torch.device("cuda", index)
 
 
+def process_gpus(strategy: str, device: torch.device) -> list[int]:
+    """The GPUs this process computes on: every visible one for DataParallel (its default
+    device_ids), else the process's own device; none on CPU."""
+    if device.type != "cuda":
+        return []
+    if strategy == "dp":
+        return list(range(torch.cuda.device_count()))
+    return [device.index]
+
+
 def set_up_process(deterministic: bool, keep_freed_memory: bool) -> None:
     """This process's own settings, before the data and model take memory: cuDNN's deterministic algorithms only and
     no benchmarking, which may pick others per run (`deterministic`); malloc keeping what the process frees

@@ -18,19 +18,6 @@ from torch.nn.modules.batchnorm import _BatchNorm
 
 log = logging.getLogger(__name__)
 
-def warn_if_syncbn_without_ddp(syncbn: bool, strategy: str) -> None:
-    if syncbn and strategy not in ("ddp", "fsdp"):
-        log.warning("syncbn=true has no effect with strategy=%s: %s", strategy, SYNCBN_WITHOUT_DDP[strategy])
-
-
-# What BatchNorm does with syncbn=true outside DDP, where it changes nothing.
-SYNCBN_WITHOUT_DDP = {
-    "single": "one process, so BatchNorm already sees the whole batch; it applies to strategy=ddp",
-    "dp": "DataParallel's replicas each normalise their own chunk of the batch, and the running statistics "
-          "come from the first GPU's chunk only; SyncBN does not work under DataParallel (pytorch#38940), "
-          "use strategy=ddp syncbn=true to normalise over the whole batch",
-}
-
 
 def _reduce_dims(x):
     return [0, *range(2, x.dim())]  # every dim but the channel dim

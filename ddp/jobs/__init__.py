@@ -1,2 +1,2 @@
 """The job around the run: launching, the run dir and its lock, what a launch's processes agree on,
-signals, how a job ends, injected faults."""
+signals, the loop's housekeeping, how a job ends, a sweep's summary."""

@@ -1,1 +1,2 @@
-"""What the run tells: rank-0 output, meters, the monitor, results.json and a sweep's summary."""
+"""What the run tells: rank-0 output, the trackers and their startup checks, meters, the monitor, the
+profiler and results.json."""

@@ -15,7 +15,7 @@ from omegaconf import OmegaConf
 from tqdm import tqdm
 
 from ddp.distributed.process_group import gather_per_rank
-from ddp.jobs.faults import inject_fault
+from ddp.training.faults import inject_fault
 from ddp.reporting.meter import ComputeTimer, ThroughputMeter, peak_memory, straggler_stats
 from ddp.reporting.profiling import StepProfiler, dump_memory_snapshot, marked_batches
 from ddp.reporting.rank_zero import RankZeroWriter

@@ -60,16 +60,6 @@ def unwrap_model(model: nn.Module) -> nn.Module:
     return model
 
 
-def process_gpus(strategy: str, device: torch.device) -> list[int]:
-    """The GPUs this process computes on: every visible one for DataParallel (its default
-    device_ids), else the process's own device; none on CPU."""
-    if device.type != "cuda":
-        return []
-    if strategy == "dp":
-        return list(range(torch.cuda.device_count()))
-    return [device.index]
-
-
 def seed_this_rank(model: nn.Module, seed: int) -> None:
     """Per-rank randomness (dropout, augmentation in the main process) from here on: torch's and
     Python's RNGs get `seed`, the rank's own. torch.manual_seed gives every GPU the same seed, so

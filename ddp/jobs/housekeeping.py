@@ -1,11 +1,12 @@
 """What the training loop does besides updating, one object per concern: train.py's `fit` builds
-them and its loop consults them between updates, in the order written there."""
+them and its loop consults them between updates, in the order written there. It composes the layers
+below (training, checkpoints, reporting, and the signals of jobs/), so it sits above them all."""
 
 from dataclasses import dataclass
 
 from ddp.checkpoints.best import BestTracker
 from ddp.checkpoints.checkpointer import Checkpointer
-from ddp.jobs.faults import SampleRecorder
+from ddp.training.faults import SampleRecorder
 from ddp.jobs.preemption import StopOnSignal
 from ddp.reporting.monitor import RunMonitor
 from ddp.training.evaluation import Validator
