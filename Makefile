@@ -47,7 +47,12 @@ $(VENV)/.installed-%: pyproject.toml
 train: $(call installed) ## Train the default run (small_cnn on digits, one device); prints the run dir and metrics
 	$(PY) train.py
 
-test: $(call installed,test) ## Run the whole test suite (CPU, gloo, real torchrun processes), two test processes at a time
+# What the suite needs outside .venv/ (a browser, a one-node SLURM), installed and started where missing, as root or
+# through sudo without a password; without either it says what is missing, and those tests skip (docs/tests.md).
+# TEST_SETUP= runs the suite without it.
+TEST_SETUP ?= scripts/test-setup.sh
+test: $(call installed,test) ## Set up a browser and a one-node SLURM where missing (root), then run the whole test suite (CPU, gloo, real torchrun processes), two test processes at a time
+	$(TEST_SETUP)
 	$(PY) -m pytest -q -n 2
 
 smoke-test: $(call installed) ## Seven short CPU runs: single, dp, torchrun ddp with SyncBN, the bf16/accumulation/cosine/EMA/MixUp recipe, and segmentation, distillation and SimCLR on 2 ranks with SyncBN

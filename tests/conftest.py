@@ -16,6 +16,7 @@ import socket  # noqa: E402
 import subprocess  # noqa: E402
 import sys  # noqa: E402
 import time  # noqa: E402
+from collections import Counter  # noqa: E402
 from collections.abc import Callable  # noqa: E402
 from pathlib import Path  # noqa: E402
 
@@ -25,6 +26,7 @@ import torch  # noqa: E402
 from PIL import Image  # noqa: E402
 
 from ddp.loading.loader_workers import start_fork_server  # noqa: E402
+from machine import NOT_HERE  # noqa: E402
 
 REPO = Path(__file__).resolve().parents[1]
 TRAIN = REPO / "train.py"
@@ -452,3 +454,20 @@ def killed_and_restarted(tmp_path_factory):
     restart keeps its dir while the other launch prunes claims)."""
     cwd, result = shared_run("killed_and_restarted", _kill_and_restart_past_a_pruning_launch, tmp_path_factory)
     return cwd / result["run_dir"], result["stdout"]
+
+
+# --- What didn't run here ---------------------------------------------------------------------------------
+
+def pytest_terminal_summary(terminalreporter) -> None:
+    """Last before pytest's final line: the tests skipped for a piece this machine lacks (tests/machine.py: a
+    browser, SLURM), by file and piece, each with the one command that makes them run."""
+    counts = Counter()
+    for report in terminalreporter.stats.get("skipped", []):
+        reason = report.longrepr[2].removeprefix("Skipped: ") if isinstance(report.longrepr, tuple) else ""
+        if reason.startswith(NOT_HERE):
+            counts[report.nodeid.split("::")[0], reason.removeprefix(NOT_HERE)] += 1
+    if counts:
+        terminalreporter.section("not run on this machine")
+    for (path, reason), count in counts.items():
+        terminalreporter.line(f"{count} {'test of' if count == 1 else 'tests of'} {path} "
+                              f"{'needs' if count == 1 else 'need'} {reason}")

@@ -56,12 +56,27 @@ def test_make_train_installs_the_runtime_dependencies_alone(venv):
 
 
 def test_make_test_installs_the_test_extras_which_serve_every_other_target(venv):
-    """`make test` installs pytest, selenium and both trackers; the suite's own `make mlflow-ui` then
+    """`make test` installs pytest, selenium and both trackers, sets up the machine (a recorder here, for
+    scripts/test-setup.sh: tests/test_test_setup.py), then runs the suite; the suite's own `make mlflow-ui` then
     installs nothing (an install during the suite would swap the package under the running tests)."""
-    assert make(venv, "test") == [*install(venv, "[test]"), "python -m pytest -q -n 2"]
+    setup = venv / "bin" / "test-setup"
+    setup.write_text('#!/bin/sh\necho test-setup >> "$(dirname "$0")/../commands.log"\n')
+    setup.chmod(0o755)
+    assert make(venv, "test", f"TEST_SETUP={setup}") == [*install(venv, "[test]"), "test-setup", "python -m pytest -q -n 2"]
     assert make(venv, "mlflow-ui", "MLFLOW_PORT=5999")[0].startswith("mlflow ui --backend-store-uri sqlite:///")
     for target in (["train"], ["bench"], ["install", "EXTRAS=mlflow"], ["install", "EXTRAS=mlflow,wandb"]):
         assert not [command for command in make(venv, *target) if " install " in command], target
+
+
+def test_make_test_sets_up_the_machine_with_the_projects_script_after_the_install(venv):
+    """Without TEST_SETUP, `make test` runs scripts/test-setup.sh (printed, not run: make -n), between the
+    install and pytest."""
+    result = subprocess.run(["make", "-n", "--no-print-directory", "-C", str(REPO), "test", f"VENV={venv}"],
+                            capture_output=True, text=True, timeout=60)
+    assert result.returncode == 0, result.stdout + result.stderr
+    lines = result.stdout.splitlines()
+    assert lines[-2:] == ["scripts/test-setup.sh", f"{venv}/bin/python -m pytest -q -n 2"], lines
+    assert any(" install " in line for line in lines[:-2]), lines
 
 
 def test_a_trackers_extra_comes_with_make_install_extras_or_the_target_that_needs_it(venv):

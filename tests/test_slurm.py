@@ -9,15 +9,16 @@ run dir: a job cancelled, then submitted again (resume=auto), and that job warne
 limit (USR1), requeued, and finished. The sweep with a requeued job and a failing one is one run too,
 shared by the test processes (conftest.shared_run).
 
-Without SLURM's packages, or without root to start the cluster, the module skips, unless
-HYDRA_DDP_REQUIRE_SLURM=1 (as CI sets it) makes that a failure; with the packages and root, a cluster
-that doesn't start is an error."""
+`make test` installs and starts the cluster where it can (scripts/test-setup.sh). Where SLURM isn't
+installed or the cluster isn't running, the module skips naming that script, unless
+HYDRA_DDP_REQUIRE_SLURM=1 (as CI sets it) makes that a failure (tests/machine.py). On a machine with a
+SLURM of its own, the jobs go to the partition HYDRA_DDP_SLURM_PARTITION names, and without it the
+module skips: that SLURM gets no jobs unasked."""
 
 import csv
 import json
 import os
 import re
-import shutil
 import subprocess
 import sys
 import time
@@ -27,14 +28,11 @@ import pytest
 
 from conftest import (DDP_RUN, REPO, TRAIN, assert_same_weights, final_weights, free_port_outside_the_ephemeral_range,
                       shared_run)
+from machine import LOCAL_CLUSTER, SEARCH_PATH, SLURM_PARTITION, need_slurm, own_slurm
 from tracker_records import (float32, mlflow_client, mlflow_runs, mlflow_runs_of, tensorboard_scalars, wandb_history,
                              wandb_records)
 
-LOCAL_CLUSTER = REPO / "scripts" / "slurm" / "local-cluster.sh"
 SBATCH_SCRIPT = REPO / "scripts" / "slurm" / "ddp.sbatch"
-# The daemons live in sbin, which a user's PATH may lack.
-SLURM_COMMANDS = ("munged", "slurmctld", "slurmd", "sbatch", "scontrol", "scancel")
-SEARCH_PATH = os.pathsep.join([os.environ.get("PATH", ""), "/usr/sbin", "/sbin"])
 
 # Rank 1 takes 200 ms longer per step (3.2 s of training, which this doesn't change otherwise): a
 # signal sent once training has started arrives before it ends (it took under a second on a loaded
@@ -51,27 +49,14 @@ def trackers(cwd: Path) -> list[str]:
     return ["logger=[tensorboard,mlflow,wandb]", f"logger.mlflow.tracking_uri=sqlite:///{cwd / 'mlflow.db'}"]
 
 
-def cannot_run(reason: str) -> None:
-    """Skip where no cluster can run (a laptop without root); fail where it must (CI sets
-    HYDRA_DDP_REQUIRE_SLURM=1), so that a cluster that went missing never passes as a skip."""
-    if os.environ.get("HYDRA_DDP_REQUIRE_SLURM") == "1":
-        pytest.fail(f"HYDRA_DDP_REQUIRE_SLURM=1, but {reason}")
-    pytest.skip(reason)
+# The partition the jobs go to: the cluster's default one, or HYDRA_DDP_SLURM_PARTITION's.
+PARTITION = [f"--partition={SLURM_PARTITION}"] if SLURM_PARTITION else []
 
 
 @pytest.fixture(scope="session", autouse=True)  # session: before the session's reference run
 def cluster() -> None:
-    """The one-node cluster, started if it isn't running."""
-    script = LOCAL_CLUSTER.relative_to(REPO)
-    missing = [name for name in SLURM_COMMANDS if shutil.which(name, path=SEARCH_PATH) is None]
-    if missing:
-        cannot_run(f"SLURM isn't installed ({' '.join(missing)} missing): sudo {script} install && sudo {script} start")
-    if subprocess.run([LOCAL_CLUSTER, "status"], capture_output=True).returncode == 0:
-        return
-    if os.geteuid() != 0:
-        cannot_run(f"the one-node SLURM isn't running, and starting it needs root: sudo {script} start")
-    started = subprocess.run([LOCAL_CLUSTER, "start"], capture_output=True, text=True, timeout=120)
-    assert started.returncode == 0, f"SLURM is installed but {script} start failed:\n{started.stdout}{started.stderr}"
+    """A SLURM to submit to (tests/machine.py), or the module skips."""
+    need_slurm()
 
 
 def job_env(**variables: str) -> dict[str, str]:
@@ -128,8 +113,8 @@ def sbatch(run_dir: Path, log_dir: Path, overrides: list[str]) -> str:
     """Submits scripts/slurm/ddp.sbatch on one node with 2 processes (no GPUs) from the repo root;
     returns the job id."""
     submitted = subprocess.run(
-        ["sbatch", "--parsable", "--nodes=1", "--gpus-per-node=0", "--cpus-per-task=1", f"--output={log_dir}/slurm-%j.out",
-         str(SBATCH_SCRIPT), *DDP_RUN[1:], *overrides],  # the script sets strategy=ddp
+        ["sbatch", "--parsable", *PARTITION, "--nodes=1", "--gpus-per-node=0", "--cpus-per-task=1",
+         f"--output={log_dir}/slurm-%j.out", str(SBATCH_SCRIPT), *DDP_RUN[1:], *overrides],  # the script sets strategy=ddp
         cwd=REPO, env=job_env(NPROC_PER_NODE="2", RUN_DIR=str(run_dir), RDZV_PORT=str(free_port_outside_the_ephemeral_range())),
         capture_output=True, text=True, check=True)
     return submitted.stdout.strip()
@@ -146,6 +131,8 @@ def test_the_node_has_the_cpus_slurmd_finds_whatever_omp_num_threads():
     """With OMP_NUM_THREADS=1 exported (as this suite and many CPU boxes do), GNU nproc says 1: a node
     sized by it never runs a job that asks for 2 CPUs (Reason=PartitionConfig). The node must have the
     CPUs slurmd itself finds. `config` prints what `start` writes, without touching the running cluster."""
+    if own_slurm():
+        pytest.skip("the node config of scripts/slurm/local-cluster.sh's cluster, and this machine's SLURM is its own")
     env = os.environ | {"OMP_NUM_THREADS": "1", "PATH": SEARCH_PATH}
     written = subprocess.run([LOCAL_CLUSTER, "config"], env=env, capture_output=True, text=True, check=True).stdout
     found = subprocess.run(["slurmd", "-C"], env=env, capture_output=True, text=True, check=True).stdout
@@ -246,7 +233,8 @@ def test_the_sbatch_scripts_three_jobs_are_one_tracker_run(sbatch_jobs):
 
 # One SLURM task per rank, 2 on the node, one CPU each.
 SLURM_LAUNCHER = ["-m", "hydra/launcher=slurm", "hydra.launcher.gpus_per_node=0", "hydra.launcher.tasks_per_node=2",
-                  "hydra.launcher.cpus_per_task=1"]
+                  "hydra.launcher.cpus_per_task=1",
+                  *([f"hydra.launcher.partition={SLURM_PARTITION}"] if SLURM_PARTITION else [])]
 # Job 0 trains DDP_RUN; job 1 has a bad override.
 SWEEP = [arg for arg in DDP_RUN if not arg.startswith("data.batch_size=")] + ["data.batch_size=8,0"]
 BAD_BATCH = "error: data.batch_size=0: must be > 0 (it is per process), e.g. data.batch_size=32"

@@ -21,6 +21,7 @@ import pytest
 from omegaconf import OmegaConf
 
 from conftest import REPO, TINY, TORCHRUN, TRAIN, check, config_error_in_this_process, free_port, launch, run_dirs, shared_run
+from machine import BROWSER, DRIVER, need_browser
 from test_bad_input import assert_no_run_dir_left
 from tracker_records import float32, mlflow_client, mlflow_runs, mlflow_runs_of, tensorboard_scalars, wandb_history, wandb_records
 
@@ -32,7 +33,6 @@ SWEEP = ["-m", *[a for a in TINY if not a.startswith(("data.batch_size", "traine
          "logger=mlflow", "data.batch_size=8,16"]
 # Scalars that time the run: an attempt that repeats a step measures them anew.
 TIMINGS = ("train/samples_per_s", "train/samples_per_s_per_rank", "train/epoch_time_s", "perf/")
-BROWSER, DRIVER = Path("/usr/bin/chromium"), Path("/usr/bin/chromedriver")
 
 
 def _offline_env() -> dict:
@@ -193,9 +193,14 @@ def mlflow_server(command: list[str], port: int, log: Path):
         server.wait(timeout=30)
 
 
-def test_make_mlflow_ui_serves_the_store_and_its_page_lists_the_runs(runs):
-    """CI installs chromium and its driver (.ci/run); without them this fails, naming the install."""
-    assert BROWSER.exists() and DRIVER.exists(), "install a browser: apt-get install -y chromium chromium-driver"
+@pytest.fixture(scope="session")  # session: checked before the module's runs
+def browser() -> None:
+    """chromium and its driver, which `make test` installs where it can (scripts/test-setup.sh); without them
+    the test skips naming that script, or fails with HYDRA_DDP_REQUIRE_BROWSER=1 (as CI sets it)."""
+    need_browser()
+
+
+def test_make_mlflow_ui_serves_the_store_and_its_page_lists_the_runs(browser, runs):
     from selenium import webdriver
     from selenium.webdriver.chrome.service import Service
     from selenium.webdriver.support.ui import WebDriverWait

@@ -4,7 +4,8 @@
 #
 #   sudo scripts/slurm/local-cluster.sh install   # apt-get install slurm-wlm munge
 #   sudo scripts/slurm/local-cluster.sh start     # munged, slurmctld, slurmd; one partition "local"
-#   scripts/slurm/local-cluster.sh status         # exit 0 when the node takes jobs
+#   scripts/slurm/local-cluster.sh status         # exit 0 when the node takes jobs (1: not running, 2: not
+#                                                 # installed, 3: the machine has a SLURM of its own)
 #   scripts/slurm/local-cluster.sh config         # print the slurm.conf that start writes
 #   sudo scripts/slurm/local-cluster.sh stop
 #
@@ -13,6 +14,8 @@
 # cgroups, tasks aren't bound to CPUs, and there is no accounting database (so sacct has nothing to
 # report: submitit warns about it and learns a job's end from its result file).
 set -euo pipefail
+# The daemons and mungekey live in sbin, which a user's PATH may lack (Debian's does).
+PATH=$PATH:/usr/sbin:/sbin
 
 SLURM_CONF=/etc/slurm/slurm.conf
 MARK="# written by hydra-ddp's scripts/slurm/local-cluster.sh"
@@ -41,8 +44,12 @@ missing_commands() {
     echo "${missing[*]}"
 }
 
-running() {  # pid file
-    [[ -s $1 ]] && kill -0 "$(cat "$1")" 2>/dev/null
+own_slurm() {  # this machine has a SLURM of its own: a slurm.conf this script didn't write
+    [[ -e $SLURM_CONF ]] && ! grep -qxF "$MARK" "$SLURM_CONF"
+}
+
+running() {  # pid file (through /proc: any user may look, where kill -0 needs the daemon's user)
+    [[ -s $1 && -d /proc/$(cat "$1") ]]
 }
 
 node_ready() {  # the node is up and takes jobs
@@ -102,7 +109,7 @@ start() {
         command -v apt-get >/dev/null || fail "missing $missing, and there is no apt-get: install SLURM and munge with this system's package manager"
         fail "missing $missing: sudo $0 install  (apt-get install $PACKAGES)"
     fi
-    if [[ -e $SLURM_CONF ]] && ! grep -qxF "$MARK" "$SLURM_CONF"; then
+    if own_slurm; then
         fail "$SLURM_CONF is not this script's: this machine has a SLURM of its own, use that one"
     fi
     if running "$SLURMCTLD_PID" && running "$SLURMD_PID" && node_ready; then
@@ -132,7 +139,7 @@ start() {
 
 stop() {
     need_root stop
-    if [[ -e $SLURM_CONF ]] && ! grep -qxF "$MARK" "$SLURM_CONF"; then
+    if own_slurm; then
         fail "$SLURM_CONF is not this script's: not stopping this machine's own SLURM"
     fi
     local pid_file
@@ -147,9 +154,17 @@ stop() {
     echo "$ME: stopped"
 }
 
-status() {
-    [[ -z $(missing_commands) ]] || fail "not installed: sudo $0 install"
-    node_ready || fail "not running: sudo $0 start"
+status() {  # exit 0: the node takes jobs; 1: it doesn't; 2: not installed; 3: a SLURM of the machine's own
+    if own_slurm; then
+        echo "$ME: $SLURM_CONF is not this script's: this machine has a SLURM of its own" >&2
+        exit 3
+    fi
+    if [[ -n $(missing_commands) ]]; then
+        echo "$ME: not installed: sudo $0 install" >&2
+        exit 2
+    fi
+    # without slurmctld, sinfo would retry for 9 s before it says so
+    running "$SLURMCTLD_PID" && node_ready || fail "not running: sudo $0 start"
     echo "$ME: running: partition local, $(sinfo --noheader --format='%c CPUs, %m MB' --nodes=localhost)"
 }
 
