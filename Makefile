@@ -21,7 +21,7 @@ export TORCH_DISABLE_SHARE_RDZV_TCP_STORE := 1
 export PYTHONDONTWRITEBYTECODE :=
 
 .DEFAULT_GOAL := help
-.PHONY: help install train test smoke-test gpu-check sweep bench tensorboard mlflow-ui export slurm-up slurm-down
+.PHONY: help install train test smoke-test gpu-check sweep bench tensorboard mlflow-ui export verify slurm-up slurm-down
 
 help: ## List the targets
 	@grep -E '^[a-z-]+:.*## ' $(MAKEFILE_LIST) | awk -F':.*## ' '{printf "  make %-12s %s\n", $$1, $$2}'
@@ -81,6 +81,9 @@ mlflow-ui: $(call installed,mlflow) ## Serve the runs of logger=mlflow (outputs/
 
 export: $(call installed) ## A sharded (strategy=fsdp) checkpoint as one plain state_dict: make export CKPT=<run dir>/checkpoints/step-N writes <dir>/model.pt
 	$(PY) -m ddp.checkpoints.export $(CKPT)
+
+verify: $(call installed) ## Check checkpoints against their digests: make verify CKPT=<run dir or checkpoint> names each good, corrupt or unverified (exit 1 if one is corrupt)
+	$(PY) -m ddp.checkpoints.verify $(CKPT)
 
 tensorboard: $(call installed) ## Serve outputs/ on http://127.0.0.1:6006
 	$(VENV)/bin/tensorboard --logdir outputs --host 127.0.0.1 --port 6006

@@ -9,6 +9,7 @@ shared by the test processes (conftest.shared_run); the one-process sides run in
 import json
 import os
 import pickle
+import random
 import re
 import shutil
 import subprocess
@@ -114,7 +115,7 @@ def test_sharded_checkpoints_are_step_dirs_with_the_last_kept(fsdp_run):
     checkpoints = step_dir(fsdp_run, 16).parent
     assert sorted(p.name for p in checkpoints.iterdir()) == ["step-00000010", "step-00000015", "step-00000016"]
     files = sorted(p.name for p in step_dir(fsdp_run, 16).iterdir())
-    assert files == [".metadata", "__0_0.distcp", "__1_0.distcp", "state.pt"]
+    assert files == [".metadata", "__0_0.distcp", "__1_0.distcp", "digests.json", "state.pt"]
     state = load_checkpoint(step_dir(fsdp_run, 16))
     assert state["sharded"] is True and "model" not in state and "optimizer" not in state
     assert (state["epoch"], state["global_step"], state["world_size"], len(state["ranks"])) == (2, 16, 2, 2)
@@ -129,6 +130,38 @@ def test_resume_auto_takes_the_newest_complete_sharded_checkpoint(fsdp_run, tmp_
     shutil.copytree(run_dir / "checkpoints" / "step-00000015", run_dir / "checkpoints" / ".step-00000017.tmp")
     path, state = load_latest_checkpoint(run_dir)
     assert (path.name, state["global_step"]) == ("step-00000015", 15)
+
+
+def test_a_bit_flipped_in_a_sharded_checkpoints_file_is_caught_and_resume_auto_takes_the_one_before(fsdp_run, tmp_path, caplog):
+    """Each rank hashed the shards it wrote into digests.json: a bit flipped at random offsets of either rank's
+    shard file or of state.pt is refused as corrupt, by resume's loading and by the whole-model read of mode=eval
+    and the export; resume=auto takes step 15 instead. Without a manifest (saved before digests), the dir loads and
+    the log says it is unverified."""
+    from test_integrity import SEED, flip_bit
+
+    rng = random.Random(SEED)
+    for name in ("__0_0.distcp", "__1_0.distcp", "state.pt"):
+        for _ in range(3):
+            flipped = shutil.copytree(step_dir(fsdp_run, 16), tmp_path / "flipped" / "step-00000016")
+            flip_bit(flipped / name, rng.randrange((flipped / name).stat().st_size), rng.randrange(8))
+            with pytest.raises(CheckpointError, match=rf"^{flipped}: corrupt, {re.escape(name)} fails its CRC-32 check"):
+                load_checkpoint(flipped)
+            with pytest.raises(CheckpointError, match=rf"^{flipped}: corrupt, {re.escape(name)}"):
+                full_model_state(flipped)
+            shutil.rmtree(flipped.parent)
+    run_dir = tmp_path / "run"
+    shutil.copytree(step_dir(fsdp_run, 16).parent, run_dir / "checkpoints")
+    flip_bit(run_dir / "checkpoints" / "step-00000016" / "__1_0.distcp", 100, 2)
+    with caplog.at_level("INFO"):
+        path, state = load_latest_checkpoint(run_dir)
+    assert (path.name, state["global_step"]) == ("step-00000015", 15)
+    assert f"skipping checkpoint {run_dir / 'checkpoints' / 'step-00000016'}: corrupt, __1_0.distcp fails" in caplog.text
+    unlisted = shutil.copytree(step_dir(fsdp_run, 15), tmp_path / "before-digests" / "step-00000015")
+    (unlisted / "digests.json").unlink()
+    caplog.clear()
+    with caplog.at_level("INFO"):
+        assert load_checkpoint(unlisted)["global_step"] == 15
+    assert f"{unlisted} carries no digest, so it loads unverified" in caplog.text
 
 
 @pytest.fixture(scope="module")

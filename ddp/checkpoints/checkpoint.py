@@ -1,6 +1,7 @@
-"""Checkpoints: written atomically by rank 0, found newest-first, loaded without running pickled code.
-strategy=fsdp's are dirs of shards (ddp/checkpoints/sharded_checkpoint.py); their state.pt is written and read here,
-and their DCP index (a pickle, which torch's reader unpickles with no restriction) is checked here first."""
+"""Checkpoints: written atomically by rank 0, found newest-first, verified against their digests and loaded
+without running pickled code. strategy=fsdp's are dirs of shards (ddp/checkpoints/sharded_checkpoint.py); their
+state.pt is written and read here, and their DCP index (a pickle, which torch's reader unpickles with no
+restriction) is checked here first."""
 
 import errno
 import logging
@@ -12,6 +13,8 @@ from pathlib import Path
 from typing import Any
 
 import torch
+
+from ddp.checkpoints.verify import Corrupt, verify
 
 log = logging.getLogger(__name__)
 
@@ -152,15 +155,33 @@ def fsync_dir(directory: Path) -> None:
 
 
 def load_checkpoint(path: Path) -> dict[str, Any]:
-    """weights_only=True: tensors and plain containers only. A pickled object is refused, never run.
+    """Verified first (ddp/checkpoints/verify.py): a file or dir whose bytes changed since its save is refused as
+    corrupt. weights_only=True: tensors and plain containers only. A pickled object is refused, never run.
     A sharded checkpoint's (a dir's) is its state.pt: the shards load once the model is sharded."""
     if path.is_dir() and (path / SHARDED_STATE).is_file():
         if not is_sharded_checkpoint(path):
             raise CheckpointError(f"{path}: incomplete sharded checkpoint (no {SHARDED_INDEX})")
         check_sharded_index(path)
-        return load_checkpoint(path / SHARDED_STATE)
+        verify_checkpoint(path)  # its manifest covers state.pt too
+        return _load_file(path / SHARDED_STATE)
     if not path.is_file():
         raise CheckpointError(f"{path}: not found")
+    verify_checkpoint(path)
+    return _load_file(path)
+
+
+def verify_checkpoint(path: Path) -> None:
+    """A CheckpointError naming the file or dir where its bytes changed after the save; a line in the log where it
+    carries no digest to check."""
+    try:
+        if not verify(path):
+            log.info("%s carries no digest, so it loads unverified (saved with torch's CRCs off, a sharded checkpoint "
+                     "saved before digests, or another format)", path)
+    except Corrupt as error:
+        raise CheckpointError(f"{path}: corrupt, {error}: its bytes changed after it was saved") from None
+
+
+def _load_file(path: Path) -> dict[str, Any]:
     try:
         return torch.load(path, map_location="cpu", weights_only=True)
     except pickle.UnpicklingError as error:

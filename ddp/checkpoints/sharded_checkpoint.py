@@ -3,8 +3,9 @@
 Each is a torch.distributed.checkpoint (DCP) dir: every rank writes its shards of the model and the
 optimizer state (`get_state_dict`), into `.step-<N>.tmp/`. Rank 0 then adds `state.pt`, everything
 else a resume needs (position, schedule, the run's config, every rank's RNG state under
-its rank, the optimizer's param_groups), written as ddp/checkpoints/checkpoint.py writes a checkpoint file, and
-renames the dir to `step-<N>`: a kill mid-save leaves no `step-<N>` for resume=auto to pick.
+its rank, the optimizer's param_groups), written as ddp/checkpoints/checkpoint.py writes a checkpoint file, and the
+manifest `digests.json` (each file's size and CRC-32; each rank hashes the shards it wrote), then renames the dir to
+`step-<N>`: a kill mid-save leaves no `step-<N>` for resume=auto to pick.
 
 DCP reshards on load (`set_state_dict`), so a checkpoint resumes at any world size, and its model
 reads back whole in one process (`full_model_state`: mode=eval, the export to one file). The DCP part
@@ -29,7 +30,8 @@ from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 
 from ddp.checkpoints.checkpoint import (SHARDED_STATE, CheckpointError, DiskFull, check_sharded_index, checkpoint_dir, disk_full,
-                                        fsync_dir, no_space_left, save_checkpoint)
+                                        fsync_dir, no_space_left, save_checkpoint, verify_checkpoint)
+from ddp.checkpoints.verify import digests_of, write_digests
 from ddp.distributed.process_group import broadcast_buffers_from_rank_zero
 
 
@@ -60,10 +62,20 @@ def save_sharded_checkpoint(model: nn.Module, optimizer, state: dict[str, Any], 
         if not full:
             raise
         raise _sharded_save_failed(final, tmp, written_mb, is_main) from None
+    # each rank hashes the shards it wrote (DCP names them __<rank>_<n>.distcp), while they are in its page cache
+    ranks_digests = [None] * dist.get_world_size() if is_main else None
+    dist.gather_object(digests_of(sorted(tmp.glob(f"__{dist.get_rank()}_*.distcp"))), ranks_digests, dst=0)
     if is_main:
         try:
             save_checkpoint({**state, "sharded": True, "optimizer_param_groups": optimizer_state["param_groups"]}, tmp / SHARDED_STATE)
+            digests = {name: digest for rank_digests in ranks_digests for name, digest in rank_digests.items()}
+            unhashed = [path for path in tmp.iterdir() if path.name not in digests]  # the index, state.pt, any other
+            write_digests(tmp, digests | digests_of(unhashed))
         except DiskFull:
+            raise _sharded_save_failed(final, tmp, _size_mb(tmp), is_main) from None
+        except OSError as error:
+            if not no_space_left(error, directory):
+                raise
             raise _sharded_save_failed(final, tmp, _size_mb(tmp), is_main) from None
         if final.exists():  # saved before at this step (a resumed run): a dir is not replaced by a rename
             shutil.rmtree(final)
@@ -101,6 +113,7 @@ def full_model_state(path: Path) -> dict[str, torch.Tensor]:
     alone (no process group, any world size and strategy): DCP fills tensors of the saved full shapes
     from every rank's shards. Buffers are rank 0's (save_sharded_checkpoint saves those)."""
     check_sharded_index(path)
+    verify_checkpoint(path)
     try:
         metadata = FileSystemReader(path).read_metadata()
         state = {key.removeprefix("model."): torch.empty(entry.size, dtype=entry.properties.dtype)
