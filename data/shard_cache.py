@@ -11,6 +11,10 @@
 - A server that doesn't answer: bounded retries with backoff, then one line naming the URL. The run
   stops there with its checkpoints intact, and the line ends with the command that continues it once
   the server is back (ddp/jobs/failures.py).
+- Verified: where the shards' `dataset.json` (python -m data.shards) lists a shard's size and CRC-32, a
+  download that doesn't match them is not put in place: it is downloaded once more, then the run stops
+  with one line naming the URL and both digests. A cached copy is checked again by each process that
+  first reads it, and downloaded again where it no longer matches.
 - Ahead of time: `Prefetcher` downloads the shards the sampler names next (data.shuffle_window's next
   window) on a thread of the process, so the reads find them in the cache.
 """
@@ -29,6 +33,7 @@ import urllib.request
 from pathlib import Path
 
 from data.vision import BadSample
+from ddp.checkpoints.verify import file_crc32
 
 log = logging.getLogger(__name__)
 RETRIES = 3
@@ -46,11 +51,30 @@ class ShardUnavailable(BadSample):
     continues_once_fixed = True  # the run's failure line adds the command that continues it (ddp/jobs/failures.py)
 
 
+class ShardCorrupt(ShardUnavailable):
+    """A remote shard whose download, twice, doesn't match its digest in dataset.json."""
+
+
+def shard_problem(path: Path, size: int, crc32: str) -> str | None:
+    """What differs between a shard and its digest in dataset.json (its size in bytes, its CRC-32 in hex), or None."""
+    if (actual := path.stat().st_size) != size:
+        return f"{actual} bytes where dataset.json lists {size}"
+    if (read := f"{file_crc32(path):08x}") != crc32:
+        return f"CRC-32 {read} where dataset.json lists {crc32}"
+    return None
+
+
 class ShardCache:
     def __init__(self, cache_dir: str | Path, limit_gb: float | None = None, retries: int = RETRIES,
                  timeout_s: float = TIMEOUT_S):
         self.directory, self.retries, self.timeout_s = Path(cache_dir), retries, timeout_s
         self.limit_bytes = None if limit_gb is None else int(limit_gb * 2**30)
+        self.digests: dict[str, tuple[int, str]] = {}  # url: (bytes, CRC-32) of dataset.json, checked on every download
+        self._verified: set[str] = set()  # the cached copies this process has checked
+
+    def expect(self, digests: dict[str, tuple[int, str]]) -> None:
+        """The shards' digests (dataset.json's), by URL: their downloads and cached copies are checked against them."""
+        self.digests.update(digests)
 
     def path(self, url: str) -> Path:
         """Where `url` is cached: its file name, prefixed with a digest of the whole URL (two servers' train-0.tar differ)."""
@@ -60,15 +84,26 @@ class ShardCache:
         """The local path of `url`'s whole file, downloading it first if no process of this node has.
         missing_ok: None for a file the server doesn't have (404), at once, where it is optional."""
         target = self.path(url)
-        if target.exists():
+        if target.exists() and self._intact(url, target):
             os.utime(target)  # its use, for the least-recently-used eviction
             return target
         self.directory.mkdir(parents=True, exist_ok=True)
         with open(target.with_name(target.name + ".lock"), "w") as lock:
             fcntl.flock(lock, fcntl.LOCK_EX)  # another process of this node may be downloading it
-            if not target.exists() and not self._download(url, target, missing_ok):
+            if not (target.exists() and self._intact(url, target)) and not self._download(url, target, missing_ok):
                 return None
         return target
+
+    def _intact(self, url: str, target: Path) -> bool:
+        """Whether a cached copy matches its digest, checked once per process; one that doesn't is removed."""
+        if url not in self.digests or url in self._verified:
+            return True
+        if problem := shard_problem(target, *self.digests[url]):
+            log.warning("%s: the cached copy of %s fails its digest (%s); downloading it again", target, url, problem)
+            target.unlink(missing_ok=True)
+            return False
+        self._verified.add(url)
+        return True
 
     def read(self, url: str, missing_ok: bool = False) -> bytes | None:
         """A small file's bytes straight from the server, not cached (dataset.json: a conversion may
@@ -82,7 +117,8 @@ class ShardCache:
             stale.unlink(missing_ok=True)
         part = target.with_name(f"{target.name}.part-{os.getpid()}-{threading.get_ident()}")
 
-        def save(response) -> bool:
+        def save(response) -> bool | str:
+            """True once the file is in place; what differs from its digest, where it doesn't match."""
             with open(part, "wb") as out:
                 length = response.headers.get("Content-Length")
                 self._make_room(int(length or 0), keep=target)
@@ -92,11 +128,21 @@ class ShardCache:
                     raise ConnectionError(f"the connection closed after {out.tell()} of {length} bytes")
                 out.flush()
                 os.fsync(out.fileno())
+            if url in self.digests and (problem := shard_problem(part, *self.digests[url])):
+                return problem
             os.replace(part, target)
+            self._verified.add(url)
             return True
 
         try:
-            return self._get(url, save, missing_ok) is not None
+            for attempt in range(2):  # a download that fails its digest (a proxy mangled it, say) gets one more try
+                saved = self._get(url, save, missing_ok)
+                if saved is None or saved is True:
+                    return saved is True
+                if attempt == 0:
+                    log.warning("%s: the download fails its digest (%s); downloading it once more", url, saved)
+            raise ShardCorrupt(f"{url}: downloaded twice, it fails its digest ({saved}): the server's shard is not the one "
+                               "converted; serve the shards and dataset.json that python -m data.shards wrote together")
         finally:
             part.unlink(missing_ok=True)
 

@@ -8,9 +8,13 @@ index in the split. An ImageFolder's images keep their file's bytes and extensio
 exactly as the folder does); a tensor dataset's images are stored as tensors (`pth`, torch.save).
 
 Each shard is written to `<shard>.tmp`, fsynced and renamed, with its index; `dataset.json`, listing the
-shards, their sample counts and the class names, is written last. While the conversion runs
+shards, their sample counts, sizes and CRC-32s and the class names, is written last. While the conversion runs
 `dataset.partial.json` marks the folder: an interrupted conversion is refused by data=webdataset and
-written again by the next run of the converter."""
+written again by the next run of the converter.
+
+    python -m data.shards --verify OUT_DIR
+
+checks every shard `dataset.json` lists against its size and CRC-32, names the bad ones, and exits 1 if one is."""
 
 import argparse
 import io
@@ -25,6 +29,8 @@ from torch.utils.data import TensorDataset
 
 from data.webdataset import (IMAGE_EXTENSIONS, LABEL_EXTENSION, MANIFEST, PARTIAL_MANIFEST, TENSOR_EXTENSION,
                              load_index)
+from data.shard_cache import shard_problem
+from ddp.checkpoints.verify import file_crc32
 from ddp.config.schema import ConfigError
 
 CONF = Path(__file__).resolve().parents[1] / "conf"
@@ -97,7 +103,7 @@ def write_shards(out_dir: Path, split: str, count: int, sample, samples_per_shar
     """The split's samples in order, samples_per_shard a shard, each shard written atomically with its index."""
     from webdataset import TarWriter
 
-    names, counts = [], []
+    names, counts, sizes, crcs = [], [], [], []
     for first in range(0, count, samples_per_shard):
         path = out_dir / SHARD_NAME.format(split=split, number=len(names))
         tmp = path.with_name(path.name + ".tmp")
@@ -113,7 +119,9 @@ def write_shards(out_dir: Path, split: str, count: int, sample, samples_per_shar
         load_index(path)  # built and saved now, beside the shard
         names.append(path.name)
         counts.append(min(samples_per_shard, count - first))
-    return {"shards": names, "samples": counts}
+        sizes.append(path.stat().st_size)
+        crcs.append(f"{file_crc32(path):08x}")  # read back while in the page cache
+    return {"shards": names, "samples": counts, "bytes": sizes, "crc32": crcs}
 
 
 def write_json_atomically(path: Path, content: dict) -> None:
@@ -170,12 +178,36 @@ def training_overrides(out_dir: Path, shard_counts: dict[str, int], tensors: boo
     return " ".join(overrides)
 
 
+def verify(out_dir: Path) -> int:
+    """A line per shard that dataset.json lists: good, corrupt (why) or unverified (no digest listed); 1 if one is corrupt."""
+    try:
+        manifest = json.loads((out_dir / MANIFEST).read_text())
+    except (OSError, ValueError) as error:
+        sys.stderr.write(f"error: {out_dir / MANIFEST}: can't be read ({error}); --verify checks a folder python -m data.shards wrote\n")
+        return 2
+    corrupt = 0
+    for split in manifest.get("splits", {}).values():
+        for name, size, crc in zip(split["shards"], split.get("bytes", [None] * len(split["shards"])),
+                                   split.get("crc32", [None] * len(split["shards"]))):
+            if crc is None:
+                print(f"unverified  {out_dir / name}")
+            elif problem := shard_problem(out_dir / name, size, crc):
+                corrupt += 1
+                print(f"corrupt  {out_dir / name}: {problem}")
+            else:
+                print(f"good  {out_dir / name}")
+    return 1 if corrupt else 0
+
+
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(prog="python -m data.shards", description=__doc__.split("\n\n")[0])
     parser.add_argument("out_dir", type=Path, help="the folder to write the shards and dataset.json to")
     parser.add_argument("overrides", nargs="*", help="data=<option> and data.* keys, as train.py takes them")
     parser.add_argument("--samples-per-shard", type=int, default=1000)
+    parser.add_argument("--verify", action="store_true", help="check the folder's shards against dataset.json instead")
     args = parser.parse_intermixed_args(argv)
+    if args.verify:
+        sys.exit(verify(args.out_dir))
     try:
         line = convert(args.out_dir, args.overrides, args.samples_per_shard)
     except ConfigError as error:

@@ -292,6 +292,16 @@ def read_manifest(shards: list[str], key: str, cache: ShardCache | None = None) 
                           "python -m data.shards") from None
 
 
+def manifest_digests(manifest: dict, shards: dict[str, list[str]]) -> dict[str, tuple[int, str]]:
+    """The (bytes, CRC-32) that dataset.json lists for each remote shard of its folder; none for shards it lists
+    without them (converted before digests) or that lie elsewhere."""
+    folder = shards["train"][0].rsplit("/", 1)[0]
+    listed = {name: (size, crc) for split in manifest.get("splits", {}).values()
+              for name, size, crc in zip(split["shards"], split.get("bytes", []), split.get("crc32", []))}
+    return {path: listed[name] for paths in shards.values() for path in paths
+            if is_remote(path) and (name := path.rsplit("/", 1)[-1]) in listed and path.rsplit("/", 1)[0] == folder}
+
+
 def check_against_manifest(manifest: dict, split: str, shards: list[str], indexes: list[dict]) -> None:
     """A shard the manifest lists must hold the samples it counted (a shard replaced since is refused)."""
     listed = manifest.get("splits", {}).get(split, {})
@@ -320,6 +330,8 @@ def build_webdataset(train_shards: str, val_shards: str, image_size: int, augmen
         raise ConfigError("data.cache_dir=null: http(s) shards are read from a local copy; set data.cache_dir to a "
                           "folder on a local disk that the ranks of a node share, e.g. data.cache_dir=/tmp/shards")
     manifest = read_manifest(shards["train"], "data.train_shards", cache)
+    if manifest is not None and cache is not None:
+        cache.expect(manifest_digests(manifest, shards))
     readers = {}
     for split, paths in shards.items():
         if split != "train":

@@ -158,3 +158,31 @@ def test_a_server_that_is_gone_is_one_line_naming_the_url_after_bounded_retries(
     assert time.monotonic() - started < 30
     line = str(raised.value)
     assert "\n" not in line and line.startswith(f"{url}: unreachable after 2 tries (") and "refused" in line.lower(), line
+
+
+def test_a_cached_copy_that_no_longer_matches_its_digest_is_not_read_but_downloaded_again(shards, tmp_path, caplog):
+    """A shard's digest known (dataset.json's): the first fetch downloads and checks it; a bit flipped in the cached
+    copy is found by the next process that reads it (a new cache object), which downloads it again."""
+    import zlib
+
+    from test_integrity import flip_bit
+
+    url_path = "/train-000000.tar"
+    content = (shards / "train-000000.tar").read_bytes()
+    server = Server(shards)
+    url = server.url + url_path
+    digest = {url: (len(content), f"{zlib.crc32(content):08x}")}
+    try:
+        first = ShardCache(tmp_path / "cache")
+        first.expect(digest)
+        cached = first.fetch(url)
+        flip_bit(cached, 5000, 3)
+        assert first.fetch(url).read_bytes() != content  # checked once per process: this one has
+        second = ShardCache(tmp_path / "cache")
+        second.expect(digest)
+        with caplog.at_level("WARNING"):
+            assert second.fetch(url).read_bytes() == content
+    finally:
+        server.stop()
+    assert server.requests.count(url_path) == 2
+    assert f"the cached copy of {url} fails its digest (CRC-32" in caplog.text

@@ -6,11 +6,13 @@ index built on first use; an interrupted conversion is refused and written again
 
 import json
 import os
+import random
 import shlex
 import shutil
 import subprocess
 import sys
 import tarfile
+import zlib
 from pathlib import Path
 
 import pytest
@@ -81,8 +83,10 @@ def trained(photos, tmp_path_factory) -> dict:  # noqa: F811
 def test_the_converter_writes_every_sample_in_order_with_its_index_and_manifest(trained, photos):  # noqa: F811
     shards = trained["shards"]
     manifest = json.loads((shards / "dataset.json").read_text())
-    assert manifest["splits"]["train"] == {"shards": ["train-000000.tar", "train-000001.tar", "train-000002.tar"],
-                                           "samples": [24, 24, 16]}
+    names = ["train-000000.tar", "train-000001.tar", "train-000002.tar"]
+    assert manifest["splits"]["train"] == {"shards": names, "samples": [24, 24, 16],
+                                           "bytes": [(shards / name).stat().st_size for name in names],
+                                           "crc32": [f"{zlib.crc32((shards / name).read_bytes()):08x}" for name in names]}
     assert manifest["splits"]["val"]["samples"] == [16] and manifest["class_names"] == ["china", "flower"]
     assert not list(shards.glob("*.tmp")) and not (shards / "dataset.partial.json").exists()
     with tarfile.open(shards / "train-000001.tar") as archive:  # sample 24 is the folder's 25th file, its bytes
@@ -278,6 +282,57 @@ def test_shards_served_over_http_train_as_the_local_ones_and_a_gone_server_is_on
     # the first file a start asks for: the folder's dataset.json (or its interrupted conversion's)
     assert line.startswith(f"error: {server.url}/dataset.partial.json: unreachable after 3 tries"), line
     assert line.endswith("check that the server serves it, then run it again (no checkpoint of this run was saved yet)"), line
+
+
+def test_the_verify_command_names_each_shard_edited_after_the_conversion(trained, tmp_path):
+    """`python -m data.shards --verify <folder>`: every shard good, exit 0; then a bit flipped at a random offset of
+    a shard, for several shards and offsets: that shard is named corrupt (its CRC-32 against dataset.json's), exit 1."""
+    from test_integrity import SEED, flip_bit
+
+    folder = shutil.copytree(trained["shards"], tmp_path / "shards")
+    verify = [sys.executable, "-m", "data.shards", "--verify", str(folder)]
+    good = subprocess.run(verify, cwd=REPO, capture_output=True, text=True)
+    names = ["train-000000.tar", "train-000001.tar", "train-000002.tar", "val-000000.tar"]
+    assert (good.returncode, good.stdout.splitlines()) == (0, [f"good  {folder / name}" for name in names]), good.stdout + good.stderr
+    rng = random.Random(SEED)
+    for name in rng.sample(names, 3):
+        edited = folder / name
+        original = edited.read_bytes()
+        flip_bit(edited, rng.randrange(len(original)), rng.randrange(8))
+        bad = subprocess.run(verify, cwd=REPO, capture_output=True, text=True)
+        assert bad.returncode == 1, bad.stdout
+        assert [line for line in bad.stdout.splitlines() if not line.startswith("good  ")] == [
+            f"corrupt  {edited}: CRC-32 {zlib.crc32(edited.read_bytes()):08x} where dataset.json lists {zlib.crc32(original):08x}"], bad.stdout
+        edited.write_bytes(original)
+
+
+def test_an_http_shard_changed_on_the_server_is_downloaded_once_more_then_one_line(trained, tmp_path):
+    """The served folder's train-000001.tar with one byte changed from the converted one: its download, at its first
+    read, fails its digest, is downloaded once more, then the run stops with one line naming the URL and both digests
+    (and the command that continues the run once the server serves the right shard)."""
+    from test_shard_cache import Server
+
+    served = shutil.copytree(trained["shards"], tmp_path / "served")
+    changed = served / "train-000001.tar"
+    content = bytearray(changed.read_bytes())
+    content[len(content) // 2] ^= 0x10
+    changed.write_bytes(bytes(content))
+    (tmp_path / "run").mkdir()
+    server = Server(served)
+    try:
+        result = launch(["data=webdataset", f"data.train_shards='{server.url}/train-{{000000..000002}}.tar'",
+                         f"data.val_shards={server.url}/val-000000.tar", f"data.cache_dir={tmp_path / 'cache'}", *SMALL,
+                         "data.num_workers=0"], tmp_path / "run")
+    finally:
+        server.stop()
+    converted = f"{zlib.crc32((trained['shards'] / 'train-000001.tar').read_bytes()):08x}"
+    assert result.returncode == 1, result.stderr[-3000:]
+    (line,) = [line for line in result.stderr.splitlines() if line.startswith("error: ")]  # found mid-epoch: a run dir
+    assert "Traceback" not in result.stderr, result.stderr[-3000:]
+    assert line.startswith(f"error: {server.url}/train-000001.tar: downloaded twice, it fails its digest "
+                           f"(CRC-32 {zlib.crc32(content):08x} where dataset.json lists {converted})"), line
+    assert server.requests.count("/train-000001.tar") == 2, server.requests
+    assert not list((tmp_path / "cache").glob("*train-000001.tar"))  # never put in place
 
 
 def test_the_next_windows_shards_download_in_the_background_and_no_read_leaves_the_window(trained, tmp_path):
