@@ -29,7 +29,7 @@ from ddp.distributed.env import DistEnv, collect_after_imports, process_gpus, re
 from ddp.distributed.fsdp import check_blocks
 from ddp.distributed.process_group import all_reduce_sum, process_group, releases_process_groups, replicas_identical, resolve_backend
 from ddp.jobs.failures import end_failed_job, record, startup_passed
-from ddp.training.faults import SampleRecorder, slow_down
+from ddp.jobs.housekeeping import Housekeeping
 from ddp.jobs.launch import launch_workers
 from ddp.jobs.preemption import StopOnSignal, resume_command
 from ddp.jobs.run_dir import register_resolvers
@@ -44,8 +44,8 @@ from ddp.reporting.results import log_hparams, log_results, log_setup, training_
 from ddp.reporting.tracker_checks import check_trackers
 from ddp.run_context import RunContext
 from ddp.training.evaluation import Validator
+from ddp.training.faults import SampleRecorder, slow_down
 from ddp.training.frozen import check_frozen_fits, prepare_frozen
-from ddp.jobs.housekeeping import Housekeeping
 from ddp.training.optimizer import build_optimizer, build_scheduler, check_optimizer, check_schedule, scaled_lr
 from ddp.training.progress import Position, TrainingLength
 from ddp.training.update import UpdateStep

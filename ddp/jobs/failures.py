@@ -23,8 +23,8 @@ from ddp.distributed.env import DistEnv
 from ddp.jobs.launch_agreement import publish, shared_by_the_launch, wait_at_most
 from ddp.jobs.preemption import Interrupted, resume_command
 from ddp.jobs.run_dir import undo_refused_launch
-from ddp.reporting.profiling import OutOfMemory
 from ddp.jobs.sweep_summary import record_failed_job
+from ddp.reporting.profiling import OutOfMemory
 from ddp.training.update import Diverged
 
 log = logging.getLogger("train")

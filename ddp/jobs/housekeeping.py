@@ -6,10 +6,10 @@ from dataclasses import dataclass
 
 from ddp.checkpoints.best import BestTracker
 from ddp.checkpoints.checkpointer import Checkpointer
-from ddp.training.faults import SampleRecorder
 from ddp.jobs.preemption import StopOnSignal
 from ddp.reporting.monitor import RunMonitor
 from ddp.training.evaluation import Validator
+from ddp.training.faults import SampleRecorder
 
 
 @dataclass(frozen=True)

@@ -15,13 +15,13 @@ from omegaconf import OmegaConf
 from tqdm import tqdm
 
 from ddp.distributed.process_group import gather_per_rank
-from ddp.training.faults import inject_fault
 from ddp.reporting.meter import ComputeTimer, ThroughputMeter, peak_memory, straggler_stats
 from ddp.reporting.profiling import StepProfiler, dump_memory_snapshot, marked_batches
 from ddp.reporting.rank_zero import RankZeroWriter
 from ddp.reporting.tracker_process import TrackerProcess
 from ddp.reporting.trackers import PointJournal, TrackedRun, picked
 from ddp.run_context import RunContext
+from ddp.training.faults import inject_fault
 
 log = logging.getLogger("train")  # the run's own console lines, under the script's name
 
