@@ -89,7 +89,7 @@ def check_startup(cfg: DictConfig, run_dir: Path, *, world_size: int, restarted:
     check_schedule(cfg.scheduler, length.total_updates, length.updates_per_epoch)
     model = build_model(cfg.model, splits.num_classes, splits.in_channels, with_heads=task.with_heads)
     check_model_accepts(model, sample_image(splits.val[0]))
-    check_blocks(model, cfg.strategy)
+    check_blocks(model, cfg.strategy, cfg.activation_checkpointing)
     check_optimizer(cfg.optim)  # the real optimizer needs the wrapped model
     resumed = find_resume_checkpoint(cfg.resume, run_dir, restarted)
     if resumed:  # weights load before wrapping, so DDP starts every rank from them

@@ -279,6 +279,23 @@ OUR_ERRORS = {
     "ema_with_fsdp": (QUICK + [*FSDP, "ema.decay=0.9"], "ema.decay=0.9", "strategy=fsdp", None),
     "compile_with_fsdp": (QUICK + [*FSDP, "compile=true"], "compile=true", "strategy=fsdp", None),
     "channels_last_with_fsdp": (QUICK + [*FSDP, "channels_last=true"], "channels_last=true", "strategy=fsdp", None),
+    "hsdp_shard_size_not_dividing_the_processes": (
+        QUICK + ["strategy=hsdp", "strategy.nproc_per_node=4", "strategy.shard_size=3"], "strategy.shard_size=3",
+        "doesn't divide the 4 processes into shard groups", None,
+    ),
+    "unknown_activation_checkpointing": (
+        QUICK + ["activation_checkpointing=some"], "activation_checkpointing=some", "use one of none, full, selective", None,
+    ),
+    "activation_checkpointing_without_blocks": (
+        QUICK + ["activation_checkpointing=full", "strategy.block_types=[]"], "activation_checkpointing=full",
+        ("no block to checkpoint found in SmallCNN", "strategy.block_types=[...]"), None,
+    ),
+    "activation_checkpointing_under_dp": (QUICK + ["strategy=dp", "activation_checkpointing=selective"],
+                                          "activation_checkpointing=selective", "use strategy=ddp", None),
+    "activation_checkpointing_every_zero": (
+        QUICK + ["activation_checkpointing=selective", "activation_checkpointing_every=0"], "activation_checkpointing_every=0",
+        "must be >= 1", None,
+    ),
     "fsdp_block_type_the_model_lacks": (
         QUICK + [*FSDP, "strategy.block_types=[Bottleneck]"], "strategy.block_types=['Bottleneck']", "pick from", None,
     ),

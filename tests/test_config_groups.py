@@ -32,7 +32,7 @@ from models.small_cnn import SmallCNN
 from models.zoo import build_timm, build_torchvision
 from ddp.config.builder_options import builder_options
 from ddp.config.checks import validate
-from ddp.config.schema import ConfigError, register_configs
+from ddp.config.schema import MULTI_PROCESS, ConfigError, register_configs
 from ddp.jobs.run_dir import register_resolvers
 from ddp.training.optimizer import optimizer_node
 from tasks.classification import ClassificationTask
@@ -47,7 +47,7 @@ register_resolvers()
 # dataset or a task the builder its yaml names, whose signature is the schema of its options.
 OPTIONS = {
     "strategy": {"single": schema.StrategyConfig, "dp": schema.StrategyConfig, "ddp": schema.StrategyConfig,
-                 "fsdp": schema.FSDPStrategyConfig},
+                 "fsdp": schema.FSDPStrategyConfig, "hsdp": schema.HSDPStrategyConfig},
     "model": {"small_cnn": SmallCNN, "resnet18": build_resnet18, "torchvision": build_torchvision, "timm": build_timm,
               "small_segnet": small_segnet, "segmentation": build_segmentation_model},
     "data": {
@@ -71,7 +71,7 @@ ALL_OPTIONS = [(group, option) for group, options in OPTIONS.items() for option 
 # `python train.py` with no overrides. Update this list deliberately when adding an option.
 DEFAULT_KEYS = {
     "strategy.name", "strategy.timeout_s", "strategy.bucket_cap_mb", "strategy.find_unused_parameters",
-    "strategy.nproc_per_node", "strategy.max_restarts",
+    "strategy.nproc_per_node", "strategy.max_restarts", "strategy.block_types",
     "model._target_", "model.weights_path", "model.weights_scope", "model.channels", "model.dropout", "model.norm",
     "data._target_", "data.batch_size", "data.num_workers", "data.mixup_alpha", "data.cutmix_alpha", "data.split", "data.val_batch_size",
     "data.shuffle_window",
@@ -91,17 +91,18 @@ DEFAULT_KEYS = {
     "profiler.enabled", "profiler.wait", "profiler.warmup", "profiler.active", "profiler.table_rows",
     "profiler.memory_history", "profiler.memory_snapshot_step",
     "ema.decay", "devices", "backend", "syncbn", "deterministic", "precision", "channels_last", "keep_freed_host_memory", "compile",
-    "compile_mode", "seed", "mode", "resume",
+    "compile_mode", "seed", "mode", "resume", "activation_checkpointing", "activation_checkpointing_every",
 }
 
+STRATEGY = {"name", "timeout_s", "bucket_cap_mb", "find_unused_parameters", "nproc_per_node", "max_restarts", "block_types"}
 LOADING = {"_target_", "batch_size", "num_workers", "mixup_alpha", "cutmix_alpha", "split", "val_batch_size", "shuffle_window"}
 # The keys each option adds to its group. Update this list deliberately when adding an option.
 OPTION_KEYS = {
-    ("strategy", "single"): {"name", "timeout_s", "bucket_cap_mb", "find_unused_parameters", "nproc_per_node", "max_restarts"},
-    ("strategy", "dp"): {"name", "timeout_s", "bucket_cap_mb", "find_unused_parameters", "nproc_per_node", "max_restarts"},
-    ("strategy", "ddp"): {"name", "timeout_s", "bucket_cap_mb", "find_unused_parameters", "nproc_per_node", "max_restarts"},
-    ("strategy", "fsdp"): {"name", "timeout_s", "bucket_cap_mb", "find_unused_parameters", "nproc_per_node", "max_restarts",
-                           "reshard_after_forward", "block_types"},
+    ("strategy", "single"): STRATEGY,
+    ("strategy", "dp"): STRATEGY,
+    ("strategy", "ddp"): STRATEGY,
+    ("strategy", "fsdp"): {*STRATEGY, "reshard_after_forward"},
+    ("strategy", "hsdp"): {*STRATEGY, "reshard_after_forward", "shard_size"},
     ("model", "small_cnn"): {"_target_", "weights_path", "weights_scope", "channels", "dropout", "norm"},
     ("model", "resnet18"): {"_target_", "weights_path", "weights_scope", "small_input"},
     ("model", "torchvision"): {"_target_", "weights_path", "weights_scope", "name", "weights", "small_input", "kwargs"},
@@ -235,7 +236,7 @@ def test_option_passes_validation(group, option, tmp_path, monkeypatch):
     monkeypatch.chdir(tmp_path)
     (tmp_path / "datasets" / "cifar10").mkdir(parents=True)
     cfg = compose_config(f"{group}={option}")
-    distributed = cfg.strategy.name in ("ddp", "fsdp")
+    distributed = cfg.strategy.name in MULTI_PROCESS
     validate(cfg, launched=distributed, world_size=2 if distributed else 1)
 
 

@@ -11,7 +11,7 @@ import torch.distributed as dist
 from torch import nn
 
 from ddp.checkpoints.checkpoint import CheckpointError, is_sharded_checkpoint, load_checkpoint, load_latest_checkpoint, sharded_model_shapes
-from ddp.config.schema import ConfigError
+from ddp.config.schema import SHARDED, ConfigError
 from ddp.loading.samplers import resume_point
 from ddp.training.progress import Position
 from ddp.training.optimizer import resume_schedule
@@ -125,15 +125,15 @@ def find_resume_checkpoint(resume: str | None, run_dir: Path, restarted: bool) -
 
 
 def load_resumed_weights(model: nn.Module, resumed: tuple[Path, dict[str, Any]], strategy: str) -> None:
-    """The checkpoint's weights into the bare `model`. strategy=fsdp resumes from sharded checkpoints
+    """The checkpoint's weights into the bare `model`. strategy=fsdp and hsdp resume from sharded checkpoints
     (dirs), whose shards load into the sharded model (resume_training): here only the shapes in their
     DCP index are checked, so a misfit is refused before any process group; the others from checkpoint files."""
     path, checkpoint = resumed
-    if bool(checkpoint.get("sharded")) != (strategy == "fsdp"):
-        kind = "a sharded checkpoint (strategy=fsdp's)" if checkpoint.get("sharded") else "a checkpoint file"
+    if bool(checkpoint.get("sharded")) != (strategy in SHARDED):
+        kind = "a sharded checkpoint (strategy=fsdp's or hsdp's)" if checkpoint.get("sharded") else "a checkpoint file"
         raise ConfigError(f"resume: {path} is {kind}, which strategy={strategy} doesn't resume from yet; resume it with "
-                          f"strategy={'fsdp' if checkpoint.get('sharded') else 'single, dp or ddp'}, or start from its weights "
-                          "with model.weights_path")
+                          f"strategy={'fsdp or hsdp' if checkpoint.get('sharded') else 'single, dp or ddp'}, or start from "
+                          "its weights with model.weights_path")
     if checkpoint.get("sharded"):
         check_state_fits(model, sharded_model_shapes(path), path)
     else:

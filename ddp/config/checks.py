@@ -11,7 +11,7 @@ import torch
 from omegaconf import DictConfig, OmegaConf
 
 from ddp.config.builder_options import builder_options
-from ddp.config.schema import BUILDERS, MULTI_PROCESS, ConfigError
+from ddp.config.schema import ACTIVATION_CHECKPOINTING, BUILDERS, MULTI_PROCESS, SHARDED, ConfigError
 
 log = logging.getLogger(__name__)
 
@@ -32,7 +32,7 @@ def check_model_accepts(model: torch.nn.Module, image: torch.Tensor) -> None:
         model.train(was_training)
 
 
-STRATEGIES = ("single", "dp", "ddp", "fsdp")
+STRATEGIES = ("single", "dp", "ddp", "fsdp", "hsdp")
 MODES = ("train", "eval")
 SPLITS = ("val", "test")
 PRECISIONS = ("32", "bf16", "16")
@@ -188,8 +188,16 @@ def validate(cfg: Any, *, launched: bool, world_size: int) -> None:
             f"strategy={strategy} runs one process, but {world_size} were started: "
             "use strategy=ddp, or torchrun --nproc_per_node=1",
         )
-    if strategy == "fsdp":
+    if strategy in SHARDED:
         _check_fsdp_settings(cfg)
+    if strategy == "hsdp":
+        _check_shard_size(cfg.strategy.shard_size, world_size if launched else cfg.strategy.nproc_per_node)
+    _check(cfg.activation_checkpointing in ACTIVATION_CHECKPOINTING, f"activation_checkpointing={cfg.activation_checkpointing}: "
+                                                                     f"unknown, use one of {', '.join(ACTIVATION_CHECKPOINTING)}")
+    _check(cfg.activation_checkpointing == "none" or strategy != "dp", f"activation_checkpointing={cfg.activation_checkpointing}: "
+           "not with strategy=dp, whose replicas would run the first GPU's blocks; use strategy=ddp, or single")
+    _check(cfg.activation_checkpointing_every >= 1, f"activation_checkpointing_every={cfg.activation_checkpointing_every}: "
+                                                    "must be >= 1 (selective checkpoints every K-th block)")
     _check_profiler_settings(cfg.profiler)
     if cfg.data.get("download", False):
         _check(world_size == 1, "data.download=true: download with one process first, then launch torchrun with data.download=false")
@@ -216,9 +224,20 @@ def _check_profiler_settings(profiler: Any) -> None:
 
 
 def _check_fsdp_settings(cfg: Any) -> None:
-    """What strategy=fsdp doesn't do yet (docs/fsdp.md), refused before anything starts."""
+    """What strategy=fsdp and hsdp don't do yet (docs/fsdp.md), refused before anything starts."""
+    name = cfg.strategy.name
     _check(cfg.ema.decay is None, f"ema.decay={cfg.ema.decay}: the EMA keeps a full copy of the model, which "
-                                  "strategy=fsdp doesn't shard yet; use strategy=ddp, or ema.decay=null")
-    _check(not cfg.compile, "compile=true: strategy=fsdp doesn't compile its sharded blocks yet; use compile=false, or strategy=ddp")
+                                  f"strategy={name} doesn't shard yet; use strategy=ddp, or ema.decay=null")
+    _check(not cfg.compile, f"compile=true: strategy={name} doesn't compile its sharded blocks yet; use compile=false, or strategy=ddp")
     _check(not cfg.channels_last, "channels_last=true: FSDP2 shards contiguous parameters only, and channels_last makes the "
-                                  "convolution weights non-contiguous; use channels_last=false with strategy=fsdp, or strategy=ddp")
+                                  f"convolution weights non-contiguous; use channels_last=false with strategy={name}, or strategy=ddp")
+
+
+def _check_shard_size(shard_size: int | None, world_size: int) -> None:
+    """strategy=hsdp: world_size (the processes started, or to be started: strategy.nproc_per_node) splits into shard groups."""
+    if shard_size is None:  # a node's processes: a torchrun launch of equal nodes divides into them
+        return
+    _check(shard_size >= 1, f"strategy.shard_size={shard_size}: must be >= 1, or null (the processes of a node)")
+    _check(world_size % shard_size == 0, f"strategy.shard_size={shard_size} doesn't divide the {world_size} processes into "
+                                         f"shard groups; use a divisor of {world_size}, or strategy.shard_size=null "
+                                         "(the processes of a node)")

@@ -18,17 +18,23 @@ class ConfigError(ValueError):
     """A user-facing config mistake; printed as one line, no traceback."""
 
 
-MULTI_PROCESS = ("ddp", "fsdp")  # the strategies of one process per device, in a process group
+MULTI_PROCESS = ("ddp", "fsdp", "hsdp")  # the strategies of one process per device, in a process group
+SHARDED = ("fsdp", "hsdp")  # FSDP2's: sharded parameters (ddp/distributed/fsdp.py) and sharded checkpoints
+ACTIVATION_CHECKPOINTING = ("none", "full", "selective")
 
 
 @dataclass
 class StrategyConfig:
-    name: str = MISSING  # single | dp | ddp | fsdp, set by the strategy/<name>.yaml option
+    name: str = MISSING  # single | dp | ddp | fsdp | hsdp, set by the strategy/<name>.yaml option
     timeout_s: float = 1800.0  # process-group timeout; a rank stuck in a collective fails after this
     bucket_cap_mb: float = 25.0  # DDP gradient bucket size
     find_unused_parameters: bool = False  # only needed for models with conditional branches
     nproc_per_node: int = 0  # ddp without torchrun: start this many local workers (0: launch with torchrun)
     max_restarts: int = 0  # self-launched workers: restarts of the whole group after a failure, as torchrun's
+    # The model's blocks: what fsdp and hsdp shard one by one, and what activation_checkpointing recomputes.
+    # null: the model's own (its fsdp_block_types) or the known families' (ddp/distributed/fsdp.py); else class
+    # names, e.g. [Bottleneck]; []: none (fsdp: the root alone, the whole model as one unit)
+    block_types: list[str] | None = None
 
 
 @dataclass
@@ -39,10 +45,13 @@ class FSDPStrategyConfig(StrategyConfig):
     # backward (ZeRO-3: least memory, one more all-gather per block); false: keep them until the
     # backward (ZeRO-2-like: more memory, less communication)
     reshard_after_forward: bool = True
-    # null: the model's own (its fsdp_block_types) or the known families' (ddp/distributed/fsdp.py); else class
-    # names, e.g. [Bottleneck]: each module of these classes is sharded as one unit, then the root;
-    # []: the root alone, the whole model as one unit
-    block_types: list[str] | None = None
+
+
+@dataclass
+class HSDPStrategyConfig(FSDPStrategyConfig):
+    """strategy=hsdp (ddp/distributed/fsdp.py): sharded within groups of shard_size ranks, replicated across the groups."""
+
+    shard_size: int | None = None  # ranks per shard group; null: the processes of a node (LOCAL_WORLD_SIZE)
 
 
 @dataclass
@@ -255,7 +264,11 @@ class TrainConfig:
     # The GPUs this run may use, e.g. [0, 2] (seen as cuda:0 and cuda:1); null: all that CUDA_VISIBLE_DEVICES leaves
     devices: list[int] | None = None
     backend: str = "auto"  # auto | nccl | gloo; auto is nccl when CUDA is available, else gloo
-    syncbn: bool = False  # synchronize BatchNorm statistics across ranks (strategy=ddp or fsdp)
+    syncbn: bool = False  # synchronize BatchNorm statistics across ranks (strategy=ddp, fsdp or hsdp)
+    # none | full: recompute every block's activations in the backward instead of keeping them | selective:
+    # every activation_checkpointing_every-th block's (the blocks: strategy.block_types; ddp/training/activation_checkpointing.py)
+    activation_checkpointing: str = "none"
+    activation_checkpointing_every: int = 2
     deterministic: bool = False  # cuDNN picks deterministic algorithms only (exact resume on GPUs; slower)
     precision: str = "32"  # 32 | bf16 | 16 (fp16, with a GradScaler): autocast on the run's device
     channels_last: bool = False  # model and every input batch in channels_last memory format
@@ -268,7 +281,8 @@ class TrainConfig:
 # The schemas of the groups whose options are fixed here. A model's, dataset's or task's own options
 # have no entry: their schema is their builder's signature (builder_options).
 SCHEMAS = {
-    "strategy": {"single": StrategyConfig, "dp": StrategyConfig, "ddp": StrategyConfig, "fsdp": FSDPStrategyConfig},
+    "strategy": {"single": StrategyConfig, "dp": StrategyConfig, "ddp": StrategyConfig, "fsdp": FSDPStrategyConfig,
+                 "hsdp": HSDPStrategyConfig},
     "optim": {"sgd": SGDConfig, "adam": AdamConfig, "adamw": AdamConfig},
     "scheduler": {"none": SchedulerConfig, "cosine": CosineSchedulerConfig, "step": StepSchedulerConfig},
 }

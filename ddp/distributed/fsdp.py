@@ -1,9 +1,12 @@
-"""strategy=fsdp: FSDP2 (`torch.distributed.fsdp.fully_shard`) shards each block, then the root.
+"""strategy=fsdp and hsdp: FSDP2 (`torch.distributed.fsdp.fully_shard`) shards each block, then the root.
 
-Every rank keeps 1/world_size of each parameter, its gradient and its optimizer state; a block's
+fsdp: every rank keeps 1/world_size of each parameter, its gradient and its optimizer state; a block's
 full parameters exist only while it computes (all-gathered before, freed after its forward when
 strategy.reshard_after_forward), and its gradients are reduce-scattered as the backward leaves it.
-The optimizer is built afterwards, on the sharded parameters (DTensors).
+hsdp: the same within each group of strategy.shard_size ranks (by default a node's processes, so the
+all-gathers stay inside a node), each group holding a replica: gradients are reduce-scattered within
+the group, then all-reduced across the groups. The optimizer is built afterwards, on the sharded
+parameters (DTensors).
 
 precision=bf16|16 is FSDP's MixedPrecisionPolicy, not autocast: the float32 shards stay the master
 weights (what the optimizer steps and checkpoints hold), a block's parameters are all-gathered and
@@ -23,7 +26,7 @@ import torch.distributed as dist
 from torch import nn
 from torch.nn.modules.batchnorm import _BatchNorm
 
-from ddp.config.schema import ConfigError
+from ddp.config.schema import SHARDED, ConfigError
 from ddp.distributed.process_group import device_mesh, replicas_identical
 
 log = logging.getLogger(__name__)
@@ -59,17 +62,31 @@ def _named_block_types(model: nn.Module) -> tuple[str, ...]:
     return next((names for names in named if names is not None), KNOWN_BLOCK_TYPES)
 
 
-def check_blocks(model: nn.Module, strategy_cfg) -> None:
-    """strategy.block_types names classes the model has (strategy=fsdp), checked before anything starts."""
-    if strategy_cfg.name == "fsdp":
-        find_blocks(model, strategy_cfg.block_types)
+def check_blocks(model: nn.Module, strategy_cfg, activation_checkpointing: str) -> None:
+    """strategy.block_types names classes the model has (strategy=fsdp or hsdp, or activation_checkpointing), and a
+    model to checkpoint has blocks; checked before anything starts."""
+    if strategy_cfg.name in SHARDED or activation_checkpointing != "none":
+        blocks = find_blocks(model, strategy_cfg.block_types)
+        if activation_checkpointing != "none" and not blocks:
+            raise ConfigError(f"activation_checkpointing={activation_checkpointing}: no block to checkpoint found in "
+                              f"{type(model).__name__} (no fsdp_block_types, no module of {'/'.join(KNOWN_BLOCK_TYPES)}, "
+                              "no timm blocks); name its repeated blocks' classes with strategy.block_types=[...], "
+                              "or activation_checkpointing=none")
+
+
+def shard_size(strategy_cfg, local_world_size: int) -> int | None:
+    """The ranks of a shard group: strategy.shard_size, by default the processes of a node (hsdp); None for fsdp's 1-D mesh."""
+    if strategy_cfg.name != "hsdp":
+        return None
+    return strategy_cfg.shard_size or local_world_size
 
 
 LOW_PRECISION = {"bf16": torch.bfloat16, "16": torch.float16}
 
 
-def shard_model(model: nn.Module, strategy_cfg, device: torch.device, precision: str) -> nn.Module:
-    """fully_shard each block (innermost first), then the root, over a 1-D mesh of every rank. Returns
+def shard_model(model: nn.Module, strategy_cfg, device: torch.device, precision: str, local_world_size: int) -> nn.Module:
+    """fully_shard each block (innermost first), then the root, over a 1-D mesh of every rank (fsdp) or a 2-D
+    mesh of groups of shard_size ranks (hsdp; `local_world_size` is the default shard_size). Returns
     `model` itself, now an FSDPModule whose parameters are DTensor shards. precision=bf16|16: each
     BatchNorm layer first, computing in float32 (module docstring). strategy.block_types=[]: no
     blocks, so the root holds every other parameter as one unit, gathered whole for each forward.
@@ -79,10 +96,11 @@ def shard_model(model: nn.Module, strategy_cfg, device: torch.device, precision:
     the shards would silently mix different models."""
     from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
 
+    name = strategy_cfg.name
     if not replicas_identical(model, include_buffers=True):
-        raise RuntimeError("strategy=fsdp: the ranks built different initial weights, and each would keep its slice "
+        raise RuntimeError(f"strategy={name}: the ranks built different initial weights, and each would keep its slice "
                            "of its own; the model's initialisation must not depend on the rank")
-    mesh = device_mesh(device.type)
+    mesh = device_mesh(device.type, shard_size(strategy_cfg, local_world_size))
     blocks, model_class = find_blocks(model, strategy_cfg.block_types), type(model).__name__  # fully_shard renames the class
     low = LOW_PRECISION.get(precision)
     block_policy = MixedPrecisionPolicy(param_dtype=low, reduce_dtype=torch.float32 if low else None)
@@ -102,10 +120,13 @@ def shard_model(model: nn.Module, strategy_cfg, device: torch.device, precision:
         for module in model.modules():
             if isinstance(module, FSDPModule):
                 module.set_force_sum_reduction_for_comms(True)
-    log.info("fsdp: %d block(s) sharded, then the root, over %d ranks (reshard_after_forward=%s, precision=%s)",
-             len(blocks), mesh.size(), strategy_cfg.reshard_after_forward, precision)
+    groups = f"in {mesh.size(0)} replicas, each sharded over {mesh.size(1)} ranks {mesh.mesh.tolist()}" if mesh.ndim == 2 \
+        else f"over {mesh.size()} ranks"
+    log.info("%s: %d block(s) sharded, then the root, %s (reshard_after_forward=%s, precision=%s)",
+             name, len(blocks), groups, strategy_cfg.reshard_after_forward, precision)
     if not blocks and strategy_cfg.block_types is None:  # strategy.block_types=[] asks for this; nothing else should
-        log.warning("fsdp: no block to shard found in %s (no fsdp_block_types, no module of %s, no timm blocks): the whole "
+        log.warning("%s: no block to shard found in %s (no fsdp_block_types, no module of %s, no timm blocks): the whole "
                     "model is one unit, gathered whole on every rank for each forward and backward, the most memory; "
-                    "name its repeated blocks' classes with strategy.block_types=[...]", model_class, "/".join(KNOWN_BLOCK_TYPES))
+                    "name its repeated blocks' classes with strategy.block_types=[...]", name, model_class,
+                    "/".join(KNOWN_BLOCK_TYPES))
     return model

@@ -80,12 +80,17 @@ def process_group(backend: str, env: DistEnv, device: torch.device, timeout_s: f
 _meshes: list = []  # the device meshes built over this process's groups (device_mesh)
 
 
-def device_mesh(device_type: str):
-    """A 1-D mesh of every rank, let go of by release_process_groups. Explicit: left to default, a
-    gloo group on a GPU host has segfaulted (pytorch#132471)."""
+def device_mesh(device_type: str, shard_size: int | None = None):
+    """A 1-D mesh of every rank or, given `shard_size`, a 2-D one ("replicate", "shard") of world_size / shard_size
+    groups of shard_size consecutive ranks (torchrun numbers a node's processes consecutively); let go of by
+    release_process_groups. Explicit: left to default, a gloo group on a GPU host has segfaulted (pytorch#132471)."""
     from torch.distributed.device_mesh import init_device_mesh  # DTensor's import is costly: only when needed
 
-    mesh = init_device_mesh(device_type, (dist.get_world_size(),))
+    world_size = dist.get_world_size()
+    if shard_size is None:
+        mesh = init_device_mesh(device_type, (world_size,))
+    else:
+        mesh = init_device_mesh(device_type, (world_size // shard_size, shard_size), mesh_dim_names=("replicate", "shard"))
     _meshes.append(mesh)
     return mesh
 

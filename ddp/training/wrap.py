@@ -8,10 +8,12 @@ import torch
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 
+from ddp.config.schema import SHARDED
 from ddp.distributed.env import DistEnv
 from ddp.distributed.fsdp import shard_model
 from ddp.distributed.syncbn import convert_syncbn
 from ddp.run_context import RunContext
+from ddp.training.activation_checkpointing import checkpoint_activations
 from ddp.training.ema import EMA, build_ema
 
 log = logging.getLogger(__name__)
@@ -20,13 +22,15 @@ log = logging.getLogger(__name__)
 def prepare_model(model: nn.Module, ctx: RunContext) -> tuple[nn.Module, nn.Module, nn.Module, EMA | None]:
     """(the model that trains, wrapped; the bare model that checkpoints hold; the module compiled, or
     not; its EMA or None), in this order: device and memory format (channels_last), SyncBN (syncbn,
-    strategy=ddp or fsdp), the EMA's copy (ema.decay), torch.compile (compile, compile_mode), the
-    strategy's wrapper (in precision). Under fsdp all three models are one, sharded in place."""
+    strategy=ddp, fsdp or hsdp), the EMA's copy (ema.decay), the blocks' activation checkpointing
+    (activation_checkpointing), torch.compile (compile, compile_mode), the strategy's wrapper (in
+    precision). Under fsdp and hsdp all three models are one, sharded in place."""
     cfg, device = ctx.cfg, ctx.device
     model = model.to(device, memory_format=torch.channels_last if cfg.channels_last else torch.preserve_format)
     if cfg.syncbn and ctx.distributed:
         model = convert_syncbn(model, device)
     raw_model, ema = model, build_ema(model, cfg.ema.decay)
+    checkpoint_activations(model, cfg.strategy.block_types, cfg.activation_checkpointing, cfg.activation_checkpointing_every)
     # Compiled before wrapping, as timm does (the two orders measured alike on CPU: docs/recipes.md).
     # Checkpoints hold raw_model's plain keys, never torch.compile's `_orig_mod.` ones.
     trained = torch.compile(model, mode=cfg.compile_mode) if cfg.compile else model
@@ -35,12 +39,12 @@ def prepare_model(model: nn.Module, ctx: RunContext) -> tuple[nn.Module, nn.Modu
 
 def wrap_model(model: nn.Module, strategy_cfg, env: DistEnv, device: torch.device, precision: str) -> nn.Module:
     """single: the model itself; dp: nn.DataParallel over the visible GPUs; ddp: DistributedDataParallel;
-    fsdp: the model itself, sharded, in `precision` (ddp/distributed/fsdp.py; the others autocast in ddp/training/update.py)."""
+    fsdp, hsdp: the model itself, sharded, in `precision` (ddp/distributed/fsdp.py; the others autocast in ddp/training/update.py)."""
     name = strategy_cfg.name
     if name == "single":
         return model
-    if name == "fsdp":
-        return shard_model(model, strategy_cfg, device, precision)
+    if name in SHARDED:
+        return shard_model(model, strategy_cfg, device, precision, env.local_world_size)
     if name == "dp":
         if device.type != "cuda":
             log.warning("strategy=dp: no CUDA GPUs visible, so DataParallel runs one replica on CPU")

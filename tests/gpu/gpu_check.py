@@ -288,6 +288,27 @@ def check_fsdp_nccl_bf16_kill_and_resume_is_exact(scratch: Path) -> str:
             f"exported {len(exported)} tensors ({dtypes[0]}); val_accuracy={found['val_accuracy']:.4f}")
 
 
+def check_hsdp_with_activation_checkpointing_is_bit_identical(scratch: Path) -> str:
+    """strategy=hsdp at world size 1 over nccl (a 1x1 mesh on cuda:0) with dropout and SyncBN inside the checkpointed
+    blocks: activation_checkpointing=full replays the CUDA RNG and keeps BatchNorm's statistics, so its weights equal
+    activation_checkpointing=none's bit for bit."""
+    common = ["strategy=hsdp", "backend=nccl", "syncbn=true", *TINY, "model.dropout=0.5", "strategy.block_types=[Sequential]",
+              "trainer.max_epochs=1", "deterministic=true"]
+    from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
+
+    states = {}
+    for mode in ("none", "full"):
+        launch([*common, f"activation_checkpointing={mode}"], scratch / f"hsdp_{mode}", nproc=1)
+        (step,) = sorted((run_dir(scratch / f"hsdp_{mode}") / "checkpoints").glob("step-*"))[-1:]
+        dcp_to_torch_save(step, scratch / f"hsdp_{mode}.pt")
+        states[mode] = torch.load(scratch / f"hsdp_{mode}.pt", weights_only=True)["model"]
+    log = (run_dir(scratch / "hsdp_full") / "train_rank0.log").read_text()
+    assert "backend=nccl" in log and "activation_checkpointing=full: 2 of 2 blocks" in log, "not hsdp over nccl, checkpointed"
+    differences = tensor_differences(states["full"], states["none"])
+    assert not differences, f"{len(differences)} differ: " + "; ".join(differences[:8])
+    return f"hsdp x1 nccl: activation_checkpointing=full equals none bit for bit ({len(states['full'])} tensors)"
+
+
 def check_checkpoint_loads_on_a_cpu_only_host(scratch: Path) -> str:
     """The single run's checkpoint: its weights and SGD momentum buffers lived on cuda:0."""
     path = run_dir(scratch / "single") / "checkpoints" / "last.pt"
@@ -441,6 +462,7 @@ CHECKS = [
     check_kill_and_resume_is_exact,
     check_fp16_kill_and_resume_is_exact,
     check_fsdp_nccl_bf16_kill_and_resume_is_exact,
+    check_hsdp_with_activation_checkpointing_is_bit_identical,
     check_checkpoint_loads_on_a_cpu_only_host,
     check_peak_memory_resets_between_multirun_jobs,
     check_devices_restrict_the_visible_gpus,

@@ -37,12 +37,13 @@ from tasks.classification import ClassificationTask
 
 STRATEGY = OmegaConf.create({"name": "fsdp", "reshard_after_forward": True, "block_types": None})
 CPU = torch.device("cpu")
+LOCAL_WORLD_SIZE = 2  # the default shard group of hsdp, which fsdp's 1-D mesh doesn't read
 
 
 def small_cnn(block_types=None, precision: str = "32"):
     torch.manual_seed(0)  # train.py seeds every rank alike before building the model
     strategy = OmegaConf.merge(STRATEGY, {"block_types": block_types})
-    return shard_model(SmallCNN(num_classes=10, in_channels=3, channels=[8, 16]), strategy, CPU, precision)
+    return shard_model(SmallCNN(num_classes=10, in_channels=3, channels=[8, 16]), strategy, CPU, precision, LOCAL_WORLD_SIZE)
 
 
 def full_weights(model) -> dict:
@@ -61,7 +62,7 @@ def initial_weights(out: Path, rank: int) -> None:
         torch.save(full, out / "full.pt")
     torch.manual_seed(rank)
     try:
-        shard_model(SmallCNN(num_classes=10, in_channels=3, channels=[8, 16]), STRATEGY, CPU, "32")
+        shard_model(SmallCNN(num_classes=10, in_channels=3, channels=[8, 16]), STRATEGY, CPU, "32", LOCAL_WORLD_SIZE)
         refusal = ""
     except RuntimeError as error:
         refusal = str(error)
@@ -103,7 +104,7 @@ def unit_warnings(out: Path, rank: int) -> None:
     handler.emit = lambda record: warnings.append(record.getMessage())
     logging.getLogger("ddp.distributed.fsdp").addHandler(handler)
     torch.manual_seed(0)
-    shard_model(nn.Sequential(nn.Flatten(), nn.Linear(3 * 8 * 8, 10)), STRATEGY, CPU, "32")  # no class of a block
+    shard_model(nn.Sequential(nn.Flatten(), nn.Linear(3 * 8 * 8, 10)), STRATEGY, CPU, "32", LOCAL_WORLD_SIZE)  # no class of a block
     found_none = list(warnings)
     small_cnn(block_types=[])
     logging.getLogger("ddp.distributed.fsdp").removeHandler(handler)
