@@ -134,7 +134,7 @@ def fit(ctx: RunContext, splits, task, length: TrainingLength, model, resumed) -
         started = time.perf_counter()
         metrics = train(ctx, update, train_loader, position, rank_state, length, house)
         wall_s = time.perf_counter() - started
-        checkpointer.save_if_unsaved(position)  # save and summarise (rank 0)
+        checkpointer.save_if_unsaved(position)  # save (and wait for it: checkpoint.async_save) and summarise (rank 0)
         log_hparams(monitor.writer, cfg, length, lr, env.world_size, metrics, position.global_step)
         performance = monitor.performance(wall_s, update.state_bytes(), position.global_step)
     results = training_results(ctx, metrics | baselines, best.results(), position, length, lr, len(splits.train), performance)
@@ -161,7 +161,7 @@ def train(ctx: RunContext, update: UpdateStep, train_loader, position: Position,
         for loss, global_samples, epoch_ends in updates:
             agreed_stop = monitor.after_update(update, loss, position.global_step, global_samples, epoch_ends, stopper.received)
             if signum := stopper.stop_requested(position.global_step, epoch_ends, agreed_stop):
-                checkpointer.save(position)
+                checkpointer.save_if_unsaved(position)  # and waits for it (checkpoint.async_save)
                 raise stopper.stopped(signum, position.global_step, position.epoch)
             # At an epoch's last step the save waits for validation, so a resume never repeats it.
             if checkpointer.due(position.global_step) and not epoch_ends:

@@ -292,6 +292,8 @@ OUR_ERRORS = {
     ),
     "activation_checkpointing_under_dp": (QUICK + ["strategy=dp", "activation_checkpointing=selective"],
                                           "activation_checkpointing=selective", "use strategy=ddp", None),
+    "async_save_under_dp": (QUICK + ["strategy=dp", "checkpoint.async_save=true"], "checkpoint.async_save=true",
+                            "not with strategy=dp", None),
     "activation_checkpointing_every_zero": (
         QUICK + ["activation_checkpointing=selective", "activation_checkpointing_every=0"], "activation_checkpointing_every=0",
         "must be >= 1", None,

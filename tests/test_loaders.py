@@ -164,8 +164,8 @@ def train_epoch_part(size: int, world_size: int, accumulate: int, checkpoint: di
         ended.append(position.batch_in_epoch >= epoch_batches)
         rank_states.append(capture_rank_state(position.epoch_totals, []))
     assert len(set(ended)) == 1 and len({len(ids) for ids in trained_ids}) == 1  # the ranks in step
-    saved = checkpoint_state(model, optimizer, update.state_dict(), position, length.samples_per_batch, size, rank_states,
-                             {"data": {"batch_size": LoaderConfig.batch_size}})
+    saved = checkpoint_state(model, optimizer, update.state_dict(), position, position.samples_in_epoch(length.samples_per_batch, size),
+                             rank_states, {"data": {"batch_size": LoaderConfig.batch_size}})
     return trained_ids, saved, ended[0]
 
 
@@ -240,9 +240,9 @@ def test_resume_at_the_same_world_size_loads_the_rest_of_the_epoch_as_the_uninte
     assert len(full) == 7 and len(full[-1][0]) == 1
     model = nn.Linear(1, 1)
     states = [capture_rank_state(torch.tensor([float(r), 1.0], dtype=torch.float64), []) for r in range(world_size)]
-    checkpoint = checkpoint_state(model, torch.optim.SGD(model.parameters(), lr=0.1), {},
-                                  Position(epoch=EPOCH, batch_in_epoch=stop, global_step=stop), batch_size * world_size, size,
-                                  states, {"data": {"batch_size": batch_size}})
+    position = Position(epoch=EPOCH, batch_in_epoch=stop, global_step=stop)
+    checkpoint = checkpoint_state(model, torch.optim.SGD(model.parameters(), lr=0.1), {}, position,
+                                  position.samples_in_epoch(batch_size * world_size, size), states, {"data": {"batch_size": batch_size}})
     position, rank_state = resume_position(Path("last.pt"), checkpoint, batch_size, world_size, rank, size)
     assert rank_state is states[rank] and position.epoch_totals.tolist() == [1.0, 1.0]
     loader = epoch_loader(position.samples_in_epoch(batch_size * world_size, size))

@@ -1,7 +1,11 @@
-"""The run's checkpoints: what was saved, the collective save, and when one is due."""
+"""The run's checkpoints: what was saved, the collective save (here or in the background), and when one is due."""
 
+import logging
+import threading
+import time
+from collections.abc import Callable
+from pathlib import Path
 
-import torch
 import torch.distributed as dist
 from omegaconf import OmegaConf
 from torch import nn
@@ -11,8 +15,11 @@ from ddp.checkpoints.checkpoint import DiskFull, keep_best_checkpoints, save_ste
 from ddp.checkpoints.resume import capture_rank_state, checkpoint_state, gather_rank_states, restore_rank_state
 from ddp.distributed.dtensor import is_sharded
 from ddp.run_context import RunContext
+from ddp.training.faults import save_delay_s
 from ddp.training.frozen import check_frozen_unchanged, frozen_fingerprints
 from ddp.training.progress import Position
+
+log = logging.getLogger(__name__)
 
 
 class Checkpointer:
@@ -21,7 +28,13 @@ class Checkpointer:
     the dir, ddp/checkpoints/sharded_checkpoint.py), and nobody runs ahead before the checkpoint exists. Never saves
     non-finite weights. Remembers the step it saved last, so the end of the run saves only if needed.
     Every checkpoint holds `best`'s record; a save at a step whose validation entered the kept best
-    ones is kept as best-<step>.pt too (checkpoint.keep_best)."""
+    ones is kept as best-<step>.pt too (checkpoint.keep_best).
+
+    checkpoint.async_save: a save copies the state and returns; a thread writes the copy, then keeps it as
+    best and prunes the old ones, so those follow completed saves only. One save at most is in flight: the
+    next save, a stop and the end of the run first wait for it (`finish`), and every rank learns there of a
+    failure (a full disk), as after a save here. Sharded checkpoints are written over a gloo process group of
+    their own: on the training's, a save's collectives would meet the training's (and abort the job)."""
 
     def __init__(self, ctx: RunContext, update, raw_model: nn.Module, *, samples_per_batch: int, train_size: int,
                  saved_step: int, best: BestTracker):
@@ -34,6 +47,11 @@ class Checkpointer:
         self.frozen = frozen_fingerprints(update.task)  # a resume must use the same frozen modules (a teacher)
         self.saved_step = saved_step  # -1: nothing saved by this run or the one it resumes
         self.best = best
+        self.fault = ctx.cfg.fault
+        self.in_background = ctx.cfg.checkpoint.async_save
+        # a collective, on every rank alike: the sharded save's own group
+        self.save_group = dist.new_group(backend="gloo") if self.in_background and is_sharded(raw_model) else None
+        self.in_flight: tuple[int, threading.Thread, list] | None = None  # the save in flight: (step, its writer, [its error])
         if saved_step >= 0:  # resumed
             self.tidy_best()
 
@@ -48,37 +66,92 @@ class Checkpointer:
 
     def save(self, position: Position) -> None:
         """A collective: every rank calls it at the same step. A full disk at the save (rank 0's file; under
-        fsdp, any rank's shards) raises DiskFull on every rank, with rank 0's line."""
-        self.update.check_finite(position.global_step, self.raw_model)
-        check_frozen_unchanged(self.update.task, self.frozen, position.global_step)  # what the checkpoint records is true
+        fsdp, any rank's shards) raises DiskFull on every rank, with rank 0's line: here, or with
+        checkpoint.async_save at the next save, stop or end (`finish`)."""
+        self.finish()
+        step = position.global_step
+        self.update.check_finite(step, self.raw_model)
+        check_frozen_unchanged(self.update.task, self.frozen, step)  # what the checkpoint records is true
         rank_states = gather_rank_states(capture_rank_state(position.epoch_totals, self.cuda_devices))
-        full = None
-        try:
-            if is_sharded(self.raw_model):
-                from ddp.checkpoints.sharded_checkpoint import save_sharded_checkpoint  # DCP, imported where it's used (ddp/distributed/fsdp.py)
+        kept_best = self.best.kept_steps() if self.env.is_main and self.best.save_step == step else None
+        write: Callable[[], Path] | None = None
+        if is_sharded(self.raw_model):
+            from ddp.checkpoints.sharded_checkpoint import save_sharded_checkpoint  # DCP, imported where it's used (ddp/distributed/fsdp.py)
 
-                state = self.state(position, rank_states, sharded=True) if self.env.is_main else {}
-                path = save_sharded_checkpoint(self.raw_model, self.optimizer, state, self.run_dir, position.global_step, self.keep_last)
-            elif self.env.is_main:
-                path = save_step_checkpoint(self.state(position, rank_states), self.run_dir, position.global_step, self.keep_last)
-            if self.env.is_main and self.best.save_step == position.global_step:
-                keep_best_checkpoints(self.run_dir, self.best.kept_steps(), saved=(position.global_step, path))
-        except DiskFull as error:
-            full = str(error)
+            state = self.state(position, rank_states, sharded=True) if self.env.is_main else {}
+            write = save_sharded_checkpoint(self.raw_model, self.optimizer, state, self.run_dir, step, self.keep_last,
+                                            group=self.save_group)
+        elif self.env.is_main:
+            state = self.state(position, rank_states)
+
+            def write() -> Path:
+                return save_step_checkpoint(state, self.run_dir, step, self.keep_last)
+
+        def write_and_keep() -> None:
+            path = write()
+            if kept_best is not None:
+                keep_best_checkpoints(self.run_dir, kept_best, saved=(step, path))
+
+        if self.in_background:
+            self.in_flight = self._start_writer(write_and_keep if write else None, step)
+        else:
+            self._agree_on(self._run(write_and_keep) if write else None)
+        self.saved_step = step
+
+    def _start_writer(self, write: Callable[[], None] | None, step: int) -> tuple[int, threading.Thread, list]:
+        """A thread runs `write` (rank 0's, or every rank's under fsdp; None on the other ranks), its error kept for
+        `finish`. A daemon: a failed run exits without its write, which stays unpublished."""
+        errors: list[BaseException | None] = []
+
+        def run() -> None:
+            if write is not None and (delay := save_delay_s(self.fault, step)):  # testing aid: a slow filesystem
+                time.sleep(delay)
+            errors.append(self._run(write) if write is not None else None)
+
+        thread = threading.Thread(target=run, name=f"checkpoint-step-{step}", daemon=True)
+        thread.start()
+        log.info("checkpoint of step %d: copied, being written in the background", step)
+        return step, thread, errors
+
+    @staticmethod
+    def _run(write: Callable[[], None]) -> BaseException | None:
+        try:
+            write()
+        except BaseException as error:  # reported by _agree_on, on every rank
+            return error
+        return None
+
+    def finish(self) -> None:
+        """checkpoint.async_save: wait for the save in flight, if any; a collective where one is (every rank calls it at
+        the same step), whose failure it raises on every rank. Nothing to do without async_save."""
+        if self.in_flight is None:
+            return
+        step, thread, errors = self.in_flight
+        started = time.perf_counter()
+        thread.join()
+        self.in_flight = None
+        if (waited := time.perf_counter() - started) > 0.01:
+            log.info("checkpoint of step %d: waited %.2f s for its background write", step, waited)
+        self._agree_on(errors[0])
+
+    def _agree_on(self, error: BaseException | None) -> None:
+        """Rank 0's word on its save, which nobody runs ahead of (or exits before), as a barrier would: on a full
+        disk every rank stops with its line, none with a "connection reset" from a peer gone."""
+        word = [None if error is None else (isinstance(error, DiskFull), str(error))]
         if dist.is_initialized():
-            # rank 0's word on its save, which nobody runs ahead of (or exits before), as a barrier would:
-            # on a full disk every rank stops with its line, none with a "connection reset" from a peer gone
-            word = [full]
             dist.broadcast_object_list(word, src=0)
-            full = word[0]
-        if full:
-            raise DiskFull(full)
-        self.saved_step = position.global_step
+        if error is not None and not isinstance(error, DiskFull):
+            raise error
+        if word[0] is not None:
+            full, message = word[0]
+            raise DiskFull(message) if full else RuntimeError(f"rank 0's checkpoint save failed: {message}")
 
     def state(self, position: Position, rank_states: list[dict], sharded: bool = False) -> dict:
-        """What rank 0 saves; a sharded checkpoint's model and optimizer states are in its shards."""
+        """What rank 0 saves; a sharded checkpoint's model and optimizer states are in its shards. With async_save, a
+        copy: training goes on changing the tensors while the background thread writes it."""
         state = checkpoint_state(None if sharded else self.raw_model, self.optimizer, self.update.state_dict(), position,
-                                 self.samples_per_batch, self.train_size, rank_states, self.config)
+                                 position.samples_in_epoch(self.samples_per_batch, self.train_size), rank_states, self.config,
+                                 copy=self.in_background)
         return state | {"best": self.best.state_dict(), "frozen": self.frozen}
 
     def restore_rank_state(self, rank_state: dict) -> None:
@@ -86,5 +159,7 @@ class Checkpointer:
         restore_rank_state(rank_state, self.cuda_devices)
 
     def save_if_unsaved(self, position: Position) -> None:
+        """The run's last save, if its step isn't saved yet; with async_save, waited for (the end, or a stop)."""
         if self.saved_step != position.global_step:
             self.save(position)
+        self.finish()

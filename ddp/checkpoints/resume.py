@@ -19,17 +19,19 @@ from ddp.training.optimizer import resume_schedule
 log = logging.getLogger(__name__)
 
 
-def checkpoint_state(model: nn.Module | None, optimizer, update_state: dict[str, Any], position: Position, samples_per_batch: int,
-                     train_size: int, rank_states: list[dict[str, Any]], config: dict) -> dict[str, Any]:
+def checkpoint_state(model: nn.Module | None, optimizer, update_state: dict[str, Any], position: Position, samples_in_epoch: int,
+                     rank_states: list[dict[str, Any]], config: dict, copy: bool = False) -> dict[str, Any]:
     """Everything a resume needs, as plain containers and CPU tensors: it loads with weights_only=True
     on any host, GPUs or not (optimizer.load_state_dict moves the state back to the parameters' device).
     `update_state`: the scheduler, GradScaler and EMA states (None where off). `model` None: all but the
-    model's and the optimizer's states (a sharded checkpoint holds those in its shards)."""
+    model's and the optimizer's states (a sharded checkpoint holds those in its shards). `samples_in_epoch`: the
+    position's (Position.samples_in_epoch). `copy`: no tensor shared with the training (to_cpu)."""
     return {
-        **({"model": to_cpu(model.state_dict()), "optimizer": to_cpu(optimizer.state_dict())} if model is not None else {}),
-        **to_cpu(update_state),
+        **({"model": to_cpu(model.state_dict(), copy), "optimizer": to_cpu(optimizer.state_dict(), copy)} if model is not None
+           else {}),
+        **to_cpu(update_state, copy),
         "epoch": position.epoch,
-        "samples_in_epoch": position.samples_in_epoch(samples_per_batch, train_size),  # what a resume reads
+        "samples_in_epoch": samples_in_epoch,  # what a resume reads
         "batch_in_epoch": position.batch_in_epoch,  # at this world size, for reading
         "global_step": position.global_step,
         "tensorboard_step": position.global_step,
@@ -39,14 +41,15 @@ def checkpoint_state(model: nn.Module | None, optimizer, update_state: dict[str,
     }
 
 
-def to_cpu(state: Any) -> Any:
-    """`state` with every tensor copied to the CPU, so a checkpoint never names a CUDA device."""
+def to_cpu(state: Any, copy: bool = False) -> Any:
+    """`state` with every tensor on the CPU, so a checkpoint never names a CUDA device; `copy`: copies of the CPU
+    tensors too, which training may change while a background save writes them (checkpoint.async_save)."""
     if isinstance(state, torch.Tensor):
-        return state.detach().cpu()
+        return state.detach().to("cpu", copy=copy)
     if isinstance(state, dict):
-        return {key: to_cpu(value) for key, value in state.items()}
+        return {key: to_cpu(value, copy) for key, value in state.items()}
     if isinstance(state, (list, tuple)):
-        return type(state)(to_cpu(value) for value in state)
+        return type(state)(to_cpu(value, copy) for value in state)
     return state
 
 

@@ -196,6 +196,8 @@ def validate(cfg: Any, *, launched: bool, world_size: int) -> None:
                                                                      f"unknown, use one of {', '.join(ACTIVATION_CHECKPOINTING)}")
     _check(cfg.activation_checkpointing == "none" or strategy != "dp", f"activation_checkpointing={cfg.activation_checkpointing}: "
            "not with strategy=dp, whose replicas would run the first GPU's blocks; use strategy=ddp, or single")
+    _check(not cfg.checkpoint.async_save or strategy != "dp", "checkpoint.async_save=true: not with strategy=dp; use "
+                                                              "strategy=ddp (or single), or checkpoint.async_save=false")
     _check(cfg.activation_checkpointing_every >= 1, f"activation_checkpointing_every={cfg.activation_checkpointing_every}: "
                                                     "must be >= 1 (selective checkpoints every K-th block)")
     _check_profiler_settings(cfg.profiler)

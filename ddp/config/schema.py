@@ -227,6 +227,8 @@ class CheckpointConfig:
     keep_last: int = 3  # step checkpoints kept; older ones are deleted
     keep_best: int = 1  # the checkpoints of this many best validations kept as best-<step>.pt, the best as best.pt (0: off)
     best_of: str = "model"  # model | ema: whose validation metric ranks them (ema needs ema.decay)
+    # true: a save copies the state and training goes on while a thread writes it (one save in flight at most)
+    async_save: bool = False
 
 
 @dataclass
@@ -243,6 +245,8 @@ class FaultConfig:
     slow_ms: float = 0.0
     slow_val_ms: float = 0.0  # every rank's every validation forward takes this much longer (a long validation)
     record_samples_dir: str | None = None  # each rank appends the dataset indices of every batch it trains here
+    slow_save_step: int = -1  # the background write of this step's checkpoint (checkpoint.async_save) ...
+    slow_save_s: float = 0.0  # ... waits this long first, as on a slow filesystem
 
 
 @dataclass

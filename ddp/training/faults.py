@@ -30,6 +30,17 @@ def inject_fault(fault_cfg, rank: int, step: int) -> None:
             time.sleep(60)
 
 
+def save_delay_s(fault_cfg, step: int) -> float:
+    """fault.slow_save_s for the background write of fault.slow_save_step's checkpoint, as a slow filesystem
+    would make it take longer; on the first attempt only, unless fault.every_attempt."""
+    if step != fault_cfg.slow_save_step or fault_cfg.slow_save_s <= 0:
+        return 0.0
+    if int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")) > 0 and not fault_cfg.every_attempt:
+        return 0.0
+    log.warning("fault.slow_save_step=%d: its background write waits %g s first", step, fault_cfg.slow_save_s)
+    return fault_cfg.slow_save_s
+
+
 def slow_down(module, fault_cfg, rank: int) -> None:
     """fault.slow_rank: that rank sleeps fault.slow_ms at the start of every training forward, as a
     slower GPU or a busier host would make it compute longer (a straggler). fault.slow_val_ms: every

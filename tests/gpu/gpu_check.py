@@ -309,6 +309,37 @@ def check_hsdp_with_activation_checkpointing_is_bit_identical(scratch: Path) -> 
     return f"hsdp x1 nccl: activation_checkpointing=full equals none bit for bit ({len(states['full'])} tensors)"
 
 
+def check_async_saves_of_cuda_state_equal_saves_in_the_loop(scratch: Path) -> str:
+    """checkpoint.async_save=true on cuda:0, fsdp at world size 1 over nccl (DCP's async save copies the shards off the
+    GPU, over a gloo group of its own) and ddp (rank 0 copies the state to the CPU): every checkpoint equals the same
+    run's saving in the loop, bit for bit, step 5's too, whose write waited 2 s while training went on."""
+    from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
+
+    common = [*TINY, "backend=nccl", "syncbn=true", "trainer.max_epochs=2", "checkpoint.every_n_steps=5", "checkpoint.keep_last=10",
+              "deterministic=true", "fault.slow_save_step=5", "fault.slow_save_s=2"]
+    compared = []
+    for strategy in ("fsdp", "ddp"):
+        states = {}
+        for async_save in ("false", "true"):
+            name = f"{strategy}_async_{async_save}"
+            launch([*common, f"strategy={strategy}", f"checkpoint.async_save={async_save}"], scratch / name, nproc=1)
+            checkpoints = run_dir(scratch / name) / "checkpoints"
+            for step in sorted(checkpoints.glob("step-*")):
+                if strategy == "fsdp":
+                    dcp_to_torch_save(step, scratch / f"{name}_{step.name}.pt")
+                    state = torch.load(scratch / f"{name}_{step.name}.pt", weights_only=True)
+                else:
+                    state = {key: value for key, value in torch.load(step, weights_only=True).items() if key in ("model", "optimizer")}
+                states.setdefault(async_save, {})[step.name] = state
+        log = (run_dir(scratch / f"{strategy}_async_true") / "train_rank0.log").read_text()
+        assert "checkpoint of step 5: copied, being written in the background" in log, f"{strategy}: no background save"
+        assert states["true"].keys() == states["false"].keys(), (strategy, sorted(states["true"]), sorted(states["false"]))
+        differences = tensor_differences(states["true"], states["false"])
+        assert not differences, f"{strategy}: {len(differences)} differ: " + "; ".join(differences[:8])
+        compared.append(f"{strategy} {len(states['true'])} checkpoints")
+    return "async saves on cuda:0 equal saves in the loop bit for bit: " + ", ".join(compared)
+
+
 def check_checkpoint_loads_on_a_cpu_only_host(scratch: Path) -> str:
     """The single run's checkpoint: its weights and SGD momentum buffers lived on cuda:0."""
     path = run_dir(scratch / "single") / "checkpoints" / "last.pt"
@@ -463,6 +494,7 @@ CHECKS = [
     check_fp16_kill_and_resume_is_exact,
     check_fsdp_nccl_bf16_kill_and_resume_is_exact,
     check_hsdp_with_activation_checkpointing_is_bit_identical,
+    check_async_saves_of_cuda_state_equal_saves_in_the_loop,
     check_checkpoint_loads_on_a_cpu_only_host,
     check_peak_memory_resets_between_multirun_jobs,
     check_devices_restrict_the_visible_gpus,
