@@ -136,7 +136,7 @@ def fit(ctx: RunContext, splits, task, length: TrainingLength, model, resumed) -
         wall_s = time.perf_counter() - started
         checkpointer.save_if_unsaved(position)  # save (and wait for it: checkpoint.async_save) and summarise (rank 0)
         log_hparams(monitor.writer, cfg, length, lr, env.world_size, metrics, position.global_step)
-        performance = monitor.performance(wall_s, update.state_bytes(), position.global_step)
+        performance = monitor.performance(wall_s, update.state_bytes(), position.global_step) | {"checkpoint_blocked_s": checkpointer.blocked_s}
     results = training_results(ctx, metrics | baselines, best.results(), position, length, lr, len(splits.train), performance)
     results |= {"replicas_identical": replicas_identical(raw_model, include_buffers=True),
                 "bad_samples_skipped": report_skipped_samples(splits, device)}  # data.on_bad_sample=skip

@@ -1,7 +1,9 @@
 """`make bench`: train.py against the plain hand-written DDP loop (benchmarks/plain_ddp.py) on
 identical work, side by side in one run; then the data path (benchmarks/data_path.py): the loader's
 images/s with per-sample seeding against without, and a resume's launch-to-first-update at 10% and at
-90% of an epoch, on JPEGs.
+90% of an epoch, on JPEGs; then memory and scale (benchmarks/memory_scale.py): a ViT's per-rank state
+under ddp, fsdp and hsdp, its saves' time in the loop, sync and async, and what activation
+checkpointing keeps for the backward and costs.
 
 Every contender trains the same model on the same synthetic 3x32x32 data with Adam, batch 32 per
 process, one thread per process on CPU. The contenders run interleaved (A B C ... A B C ...),
@@ -33,6 +35,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).parent))
 import data_path  # noqa: E402 (benchmarks/ is no package)
+import memory_scale  # noqa: E402
 
 REPO = Path(__file__).resolve().parents[1]
 TORCHRUN = Path(sys.executable).with_name("torchrun")
@@ -288,7 +291,12 @@ def main() -> None:
         resumes = data_path.resume_cost(photos, data_settings, Path(scratch) / "resumes")
         print("bench: the input pipeline: files, tar shards (local, HTTP), Arrow", flush=True)
         pipeline = data_path.input_pipeline(photos, data_settings, Path(scratch) / "pipeline")
-    table = report(chosen, settings, quick, *data_path.report(seeding, resumes, pipeline, data_settings))
+        scale_settings = memory_scale.SCALE_QUICK if quick else memory_scale.SCALE_FULL
+        scale = memory_scale.scale_runs(scale_settings, Path(scratch))
+        print("bench: memory and scale: activation checkpointing, in this process", flush=True)
+        scale_lines, scale_rows = memory_scale.report(scale, memory_scale.activation_memory(scale_settings), scale_settings)
+    data_lines, data_rows = data_path.report(seeding, resumes, pipeline, data_settings)
+    table = report(chosen, settings, quick, data_lines + scale_lines, data_rows + scale_rows)
     args.out.mkdir(parents=True, exist_ok=True)
     stem = args.out / f"{socket.gethostname()}-{date.today()}{'-quick' if quick else ''}"
     Path(f"{stem}.md").write_text(table + f"\n![throughput]({stem.name}.png)\n")

@@ -277,7 +277,6 @@ OUR_ERRORS = {
         QUICK + ["model=torchvision", "model.name=resnet18", "+model.kwargs.depth=3"], "model", "unexpected keyword argument 'depth'", None,
     ),
     "ema_with_fsdp": (QUICK + [*FSDP, "ema.decay=0.9"], "ema.decay=0.9", "strategy=fsdp", None),
-    "compile_with_fsdp": (QUICK + [*FSDP, "compile=true"], "compile=true", "strategy=fsdp", None),
     "channels_last_with_fsdp": (QUICK + [*FSDP, "channels_last=true"], "channels_last=true", "strategy=fsdp", None),
     "hsdp_shard_size_not_dividing_the_processes": (
         QUICK + ["strategy=hsdp", "strategy.nproc_per_node=4", "strategy.shard_size=3"], "strategy.shard_size=3",

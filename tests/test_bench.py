@@ -42,7 +42,8 @@ def test_quick_bench_writes_the_table_the_ratios_and_a_plot(tmp_path):
         assert throughput > 0, row
     for ratio in ("train.py DDP / plain loop, throughput, small_cnn", "train.py DDP / plain loop, whole-process wall time",
                   "weak scaling", "per-sample seeding", "resume cost", "input pipeline: local shards, 1 worker / in-memory",
-                  "input pipeline: HTTP shards, warm cache, 1 worker / in-memory", "input pipeline: files, 2 workers / 1 worker"):
+                  "input pipeline: HTTP shards, warm cache, 1 worker / in-memory", "input pipeline: files, 2 workers / 1 worker",
+                  "async / sync save, the loop's time in a save, vit fsdp", "activation_checkpointing=full / none, bytes kept"):
         assert re.search(rf"\| {re.escape(ratio)}[^|]* \| \d+\.\d{{3}} \|", text), ratio
     if load_bench().LIGHTNING:  # the optional extra (.[bench]): its contender, or a line that says it was skipped
         assert re.search(r"\| train.py DDP / Lightning, throughput, small_cnn \| \d+\.\d{3} \|", text), text
@@ -54,7 +55,8 @@ def test_quick_bench_writes_the_table_the_ratios_and_a_plot(tmp_path):
 
 def test_every_contender_of_the_full_bench_composes_and_its_ratios_come_out():
     """`make bench` takes 21 minutes, so no test runs it whole: each train.py command it would run (syncbn=true,
-    bf16, channels_last, dp and fsdp too) composes and passes train.py's checks, and its report, from made-up
+    bf16, channels_last, dp and fsdp too, and the memory-and-scale section's ViT under ddp, fsdp and hsdp on 4
+    processes) composes and passes train.py's checks, and its report, from made-up
     measurements, has every ratio row with the ratio of those numbers (syncbn's: ddp's throughput over ddp
     syncbn's)."""
     bench = load_bench()
@@ -66,6 +68,11 @@ def test_every_contender_of_the_full_bench_composes_and_its_ratios_come_out():
             argv = bench.command(contender, bench.FULL, Path("run"))
             overrides = [arg for arg in argv[argv.index(str(REPO / "train.py")) + 1:] if not arg.startswith("hydra.")]
             validate(compose("config", overrides=overrides), launched=contender.processes > 1, world_size=contender.processes)
+        scale = bench.memory_scale.SCALE_FULL
+        for strategy in scale.strategies:  # the memory-and-scale section's runs, on 4 processes
+            argv = bench.memory_scale.command(strategy, scale, Path("run"))
+            overrides = [arg for arg in argv[argv.index(str(REPO / "train.py")) + 1:] if not arg.startswith("hydra.")]
+            validate(compose("config", overrides=overrides), launched=True, world_size=scale.processes)
     for contender in (c for c in chosen if c.model == "tiny_cnn"):  # steps of milliseconds: 300 timed, every contender
         argv = bench.command(contender, bench.FULL, Path("run"))
         samples = next((int(arg.split("=")[1]) for arg in argv if arg.startswith("data.num_samples=")), None)
@@ -124,6 +131,18 @@ def test_every_contender_of_the_full_bench_composes_and_its_ratios_come_out():
         assert float(rows[f"input pipeline: {name} / in-memory decode limit"]) == pytest.approx(rate / limit, abs=5e-4)
     assert float(rows["input pipeline: files, 2 workers / 1 worker"]) == pytest.approx(
         pipeline["files, 2 workers"][0][0] / pipeline["files, 1 worker"][0][0], abs=5e-4)
+    # memory and scale: made-up runs (state MB, a save's time) and activation figures (bytes, step time)
+    runs = {strategy: [{"state_mb": 100.0 - 20 * index, "blocked_s": 2.0 - 0.5 * index, "checkpoint_mb": 264.0}]
+            for index, strategy in enumerate(bench.memory_scale.SCALE_FULL.strategies)}
+    activations = {"none": (1000, 1.0), "selective": (500, 1.2), "full": (100, 1.3)}
+    lines, scale_rows = bench.memory_scale.report(runs, activations, bench.memory_scale.SCALE_FULL)
+    scale_rows = {what: ratio for what, ratio, _ in scale_rows}
+    assert scale_rows["fsdp / ddp, rank 0's bytes of parameters, gradients and optimizer state, vit, 4 ranks"] == pytest.approx(0.8)
+    assert scale_rows["hsdp / ddp, rank 0's bytes of parameters, gradients and optimizer state, vit, 4 ranks"] == pytest.approx(0.6)
+    assert scale_rows["async / sync save, the loop's time in a save, vit fsdp, 4 ranks"] == pytest.approx(0.5 / 1.5)
+    assert scale_rows["activation_checkpointing=full / none, bytes kept for the backward, vit"] == pytest.approx(0.1)
+    assert scale_rows["activation_checkpointing=full / none, step time, vit, 1 thread"] == pytest.approx(1.3)
+    assert "| hsdp | 60.0 | 1.000 | 264 |" in lines
 
 
 def test_time_spent_waiting_for_batches_is_the_data_wait():

@@ -12,7 +12,7 @@ import torch
 from conftest import (TINY, TORCHRUN, TRAIN, check, free_port, last_checkpoint, launch, load_last, load_results, results_of,
                       run_dirs, shared_run)
 from test_elastic import records
-from test_fsdp import SAMPLES, full_state, step_dir
+from test_fsdp import FSDP_RUN, SAMPLES, fsdp_run, full_state, step_dir  # noqa: F401, F811 (fsdp_run: a fixture)
 
 # DDP_RUN's training (conftest: a global batch of 16 with SyncBN, 16 steps) on 4 ranks of batch 4, saving every
 # 5 steps, each rank recording the samples it trains.
@@ -100,3 +100,16 @@ def test_a_checkpoint_of_hsdp_2x2_resumes_on_other_mesh_shapes_and_continues_the
     (run_dir,) = run_dirs(tmp_path)
     assert_close_states(full_state(run_dir / "checkpoints" / "step-00000016", tmp_path / "a")["model"],
                         full_state(step_dir(hsdp_run, 16), tmp_path / "b")["model"])
+
+
+def test_hsdp_compiles_each_block_and_checkpoints_it_and_trains_as_fsdp(fsdp_run, tmp_path):
+    """compile=true under hsdp (one node of 2: a 1x2 mesh) compiles each block, the unit FSDP shards, its forward
+    checkpointed too (activation_checkpointing=full): the weights end within float noise of fsdp's uncompiled run."""
+    args = [arg.replace("strategy=fsdp", "strategy=hsdp") for arg in FSDP_RUN]
+    check(launch([*args, "compile=true", "activation_checkpointing=full", "fault.record_samples_dir=null"], tmp_path, nproc=2))
+    (run_dir,) = run_dirs(tmp_path)
+    log = (run_dir / "train_rank0.log").read_text()
+    assert "compile=true: 3 blocks compiled, each where FSDP shards it" in log, log
+    assert "activation_checkpointing=full: 3 of 3 blocks (Conv2d/Linear) recompute" in log, log
+    assert_close_states(full_state(step_dir(tmp_path, 16), tmp_path / "a")["model"],
+                        full_state(step_dir(fsdp_run, 16), tmp_path / "b")["model"])

@@ -52,6 +52,7 @@ class Checkpointer:
         # a collective, on every rank alike: the sharded save's own group
         self.save_group = dist.new_group(backend="gloo") if self.in_background and is_sharded(raw_model) else None
         self.in_flight: tuple[int, threading.Thread, list] | None = None  # the save in flight: (step, its writer, [its error])
+        self.blocked_s: list[float] = []  # each save's time in the loop: the write, or the copy and a wait for the one before
         if saved_step >= 0:  # resumed
             self.tidy_best()
 
@@ -68,6 +69,7 @@ class Checkpointer:
         """A collective: every rank calls it at the same step. A full disk at the save (rank 0's file; under
         fsdp, any rank's shards) raises DiskFull on every rank, with rank 0's line: here, or with
         checkpoint.async_save at the next save, stop or end (`finish`)."""
+        started = time.perf_counter()
         self.finish()
         step = position.global_step
         self.update.check_finite(step, self.raw_model)
@@ -97,6 +99,7 @@ class Checkpointer:
         else:
             self._agree_on(self._run(write_and_keep) if write else None)
         self.saved_step = step
+        self.blocked_s.append(time.perf_counter() - started)
 
     def _start_writer(self, write: Callable[[], None] | None, step: int) -> tuple[int, threading.Thread, list]:
         """A thread runs `write` (rank 0's, or every rank's under fsdp; None on the other ranks), its error kept for

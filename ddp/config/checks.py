@@ -230,7 +230,6 @@ def _check_fsdp_settings(cfg: Any) -> None:
     name = cfg.strategy.name
     _check(cfg.ema.decay is None, f"ema.decay={cfg.ema.decay}: the EMA keeps a full copy of the model, which "
                                   f"strategy={name} doesn't shard yet; use strategy=ddp, or ema.decay=null")
-    _check(not cfg.compile, f"compile=true: strategy={name} doesn't compile its sharded blocks yet; use compile=false, or strategy=ddp")
     _check(not cfg.channels_last, "channels_last=true: FSDP2 shards contiguous parameters only, and channels_last makes the "
                                   f"convolution weights non-contiguous; use channels_last=false with strategy={name}, or strategy=ddp")
 

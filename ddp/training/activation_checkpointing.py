@@ -78,13 +78,15 @@ def _statistics_kept(block: nn.Module):
 
 
 def bytes_saved_for_backward(forward: Callable[[], torch.Tensor]) -> tuple[int, torch.Tensor]:
-    """(the bytes of the tensors that autograd keeps for the backward while `forward()` runs, each storage once;
-    forward()'s output). With checkpointing, the checkpointed blocks' inputs in place of their activations."""
+    """(the bytes of the tensors that autograd keeps for the backward while `forward()` runs, each storage once, but
+    the parameters, which are kept anyway; forward()'s output). With checkpointing, the checkpointed blocks' inputs
+    in place of their activations."""
     storages: dict[int, int] = {}
 
     def pack(tensor: torch.Tensor) -> torch.Tensor:
-        storage = tensor.untyped_storage()
-        storages[storage.data_ptr()] = storage.nbytes()
+        if not (tensor.is_leaf and tensor.requires_grad):
+            storage = tensor.untyped_storage()
+            storages[storage.data_ptr()] = storage.nbytes()
         return tensor
 
     with torch.autograd.graph.saved_tensors_hooks(pack, lambda tensor: tensor):

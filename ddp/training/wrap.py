@@ -10,10 +10,10 @@ from torch.nn.parallel import DistributedDataParallel
 
 from ddp.config.schema import SHARDED
 from ddp.distributed.env import DistEnv
-from ddp.distributed.fsdp import shard_model
+from ddp.distributed.fsdp import find_blocks, shard_model
 from ddp.distributed.syncbn import convert_syncbn
 from ddp.run_context import RunContext
-from ddp.training.activation_checkpointing import checkpoint_activations
+from ddp.training.activation_checkpointing import checkpoint_activations, outermost
 from ddp.training.ema import EMA, build_ema
 
 log = logging.getLogger(__name__)
@@ -33,8 +33,19 @@ def prepare_model(model: nn.Module, ctx: RunContext) -> tuple[nn.Module, nn.Modu
     checkpoint_activations(model, cfg.strategy.block_types, cfg.activation_checkpointing, cfg.activation_checkpointing_every)
     # Compiled before wrapping, as timm does (the two orders measured alike on CPU: docs/recipes.md).
     # Checkpoints hold raw_model's plain keys, never torch.compile's `_orig_mod.` ones.
-    trained = torch.compile(model, mode=cfg.compile_mode) if cfg.compile else model
+    trained = torch.compile(model, mode=cfg.compile_mode) if cfg.compile and cfg.strategy.name not in SHARDED else model
+    if cfg.compile and cfg.strategy.name in SHARDED:
+        compile_blocks(model, cfg.strategy.block_types, cfg.compile_mode)
     return wrap_model(trained, cfg.strategy, ctx.env, device, cfg.precision), raw_model, trained, ema
+
+
+def compile_blocks(model: nn.Module, block_types: list[str] | None, mode: str | None) -> None:
+    """fsdp and hsdp compile each block, the unit FSDP shards, as torchtitan does: its forward (checkpointed or not), so
+    that FSDP's hooks around it, which gather and free its parameters, run eagerly, and its keys stay the plain ones."""
+    blocks = outermost(find_blocks(model, block_types))
+    for block in blocks:
+        block.forward = torch.compile(block.forward, mode=mode)
+    log.info("compile=true: %d blocks compiled, each where FSDP shards it", len(blocks))
 
 
 def wrap_model(model: nn.Module, strategy_cfg, env: DistEnv, device: torch.device, precision: str) -> nn.Module:

@@ -340,6 +340,25 @@ def check_async_saves_of_cuda_state_equal_saves_in_the_loop(scratch: Path) -> st
     return "async saves on cuda:0 equal saves in the loop bit for bit: " + ", ".join(compared)
 
 
+def check_fsdp_compiles_each_block_on_cuda(scratch: Path) -> str:
+    """compile=true under fsdp at world size 1 over nccl compiles each block's forward where FSDP shards it (inductor on
+    CUDA); its weights stay close to the uncompiled run's (different kernels, so not bit for bit)."""
+    from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
+
+    states = {}
+    for compiled in ("false", "true"):
+        launch(["strategy=fsdp", "backend=nccl", *TINY, "trainer.max_epochs=1", f"compile={compiled}"], scratch / f"fsdp_compile_{compiled}",
+               nproc=1, timeout=600)
+        (step,) = sorted((run_dir(scratch / f"fsdp_compile_{compiled}") / "checkpoints").glob("step-*"))[-1:]
+        dcp_to_torch_save(step, scratch / f"fsdp_compile_{compiled}.pt")
+        states[compiled] = torch.load(scratch / f"fsdp_compile_{compiled}.pt", weights_only=True)["model"]
+    log = (run_dir(scratch / "fsdp_compile_true") / "train_rank0.log").read_text()
+    assert "blocks compiled, each where FSDP shards it" in log, "no block compiled"
+    largest = max((states["true"][key].double() - states["false"][key].double()).abs().max().item() for key in states["false"])
+    assert largest < 1e-2, f"compiled weights {largest:g} from the uncompiled run's"
+    return f"fsdp x1 nccl, compile=true per block: weights {largest:.2e} from the uncompiled run's"
+
+
 def check_checkpoint_loads_on_a_cpu_only_host(scratch: Path) -> str:
     """The single run's checkpoint: its weights and SGD momentum buffers lived on cuda:0."""
     path = run_dir(scratch / "single") / "checkpoints" / "last.pt"
@@ -495,6 +514,7 @@ CHECKS = [
     check_fsdp_nccl_bf16_kill_and_resume_is_exact,
     check_hsdp_with_activation_checkpointing_is_bit_identical,
     check_async_saves_of_cuda_state_equal_saves_in_the_loop,
+    check_fsdp_compiles_each_block_on_cuda,
     check_checkpoint_loads_on_a_cpu_only_host,
     check_peak_memory_resets_between_multirun_jobs,
     check_devices_restrict_the_visible_gpus,
