@@ -39,7 +39,7 @@ class ScaleSettings:
 
 SCALE_FULL = ScaleSettings(vit={"img_size": 32, "patch_size": 8}, processes=4, steps=12, every_n_steps=4, repeats=2)
 SCALE_QUICK = ScaleSettings(vit={"img_size": 16, "patch_size": 8, "depth": 2, "embed_dim": 64, "num_heads": 2}, processes=2,
-                            steps=4, every_n_steps=2, repeats=1, image_size=16, strategies=("fsdp", "fsdp async"))
+                            steps=4, every_n_steps=2, repeats=1, image_size=16, strategies=("fsdp async",))
 STRATEGIES = {"ddp": ["strategy=ddp"], "fsdp": ["strategy=fsdp"], "hsdp": ["strategy=hsdp", "strategy.shard_size=2"],
               "fsdp async": ["strategy=fsdp", "checkpoint.async_save=true"]}
 

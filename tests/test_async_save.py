@@ -84,14 +84,14 @@ def test_a_rank_killed_during_a_background_write_resumes_from_the_checkpoint_bef
 
 
 def test_sigterm_during_a_background_write_exits_once_it_is_complete_and_the_resume_continues(sweep, tmp_path):
-    """FSDP: step 10's write waits 10 s; SIGTERM to torchrun as it starts. The ranks stop at the next step, wait for
+    """FSDP: step 10's write waits 6 s; SIGTERM to torchrun as it starts. The ranks stop at the next step, wait for
     step 10's write, save the stop's step and exit; both dirs are complete and verified, and a resume from the run
     dir ends bit-identical to the uninterrupted run."""
     run_dir = tmp_path / "outputs" / "run"
     process = start([str(TORCHRUN), "--nproc_per_node=2", "--shutdown-timeout=60", str(TRAIN), *ASYNC, "strategy=fsdp",
-                     "fault.slow_save_step=10", "fault.slow_save_s=10", "hydra.run.dir=outputs/run"], tmp_path)
+                     "fault.slow_save_step=10", "fault.slow_save_s=6", "hydra.run.dir=outputs/run"], tmp_path)
     log_file = run_dir / "train_rank0.log"
-    slow_write = "fault.slow_save_step=10: its background write waits 10 s first"
+    slow_write = "fault.slow_save_step=10: its background write waits 6 s first"
     returncode = sigterm_when(process, lambda: log_file.exists() and slow_write in log_file.read_text(),
                               (tmp_path / "stderr.txt").read_text)
     log = log_file.read_text()

@@ -1,17 +1,19 @@
 """strategy=hsdp under torchrun (CPU, gloo): FSDP2 over a 2-D mesh, sharded within groups and replicated
-across them. On two localhost "nodes" of 2 processes its default shard groups are the nodes, and with
-SyncBN it ends where one process at the global batch ends; without SyncBN, where DDP on 4 ranks ends.
+across them. On two localhost "nodes" of 2 processes its default shard groups are the nodes, and it ends
+where DDP on 4 ranks ends, with SyncBN and without. Compiled, its blocks checkpointed, it trains as fsdp.
 Its sharded checkpoints resume on other mesh shapes (FSDP on 4 and on 2 ranks, HSDP 1x2) and continue
 the run, every sample trained once."""
 
+import os
 import subprocess
 
 import pytest
 import torch
 
-from conftest import (TINY, TORCHRUN, TRAIN, check, free_port, last_checkpoint, launch, load_last, load_results, results_of,
-                      run_dirs, shared_run)
+from conftest import (TINY, TORCHRUN, TRAIN, check, free_port, last_checkpoint, launch, load_results, results_of, run_dirs,
+                      shared_run)
 from test_elastic import records
+from test_sweeps import job_dirs, the_sweep_dir
 from test_fsdp import FSDP_RUN, SAMPLES, fsdp_run, full_state, step_dir  # noqa: F401, F811 (fsdp_run: a fixture)
 
 # DDP_RUN's training (conftest: a global batch of 16 with SyncBN, 16 steps) on 4 ranks of batch 4, saving every
@@ -36,8 +38,6 @@ def run_on_two_nodes(cwd) -> dict:
 
 
 def launch_env() -> dict:
-    import os
-
     clean = {k: v for k, v in os.environ.items() if k not in ("RANK", "LOCAL_RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")}
     return clean | {"PYTHONUNBUFFERED": "1", "TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1"}
 
@@ -54,36 +54,44 @@ def assert_close_states(actual: dict, expected: dict) -> None:
         torch.testing.assert_close(actual[key], expected[key], msg=lambda m, key=key: f"{key}: {m}")
 
 
-def test_hsdp_on_two_nodes_shards_within_each_node_and_trains_as_one_process_with_the_global_batch(hsdp_run, single_run, ddp_run,
-                                                                                                   tmp_path):
+def run_ddp_on_4(cwd) -> dict:
+    """DDP on 4 ranks of batch 4, with SyncBN and without, as a torchrun sweep."""
+    check(launch(["-m", "strategy=ddp", "syncbn=false,true", *TINY, "data.batch_size=4", "checkpoint.keep_best=0"], cwd, nproc=4))
+    return {}
+
+
+@pytest.fixture
+def ddp_on_4(tmp_path_factory) -> dict:
+    """{syncbn: the job dir} of run_ddp_on_4, once for all test processes."""
+    sweep = the_sweep_dir(shared_run("ddp_on_4", run_ddp_on_4, tmp_path_factory)[0])
+    return dict(zip((False, True), job_dirs(sweep)))
+
+
+def test_hsdp_on_two_nodes_shards_within_each_node_and_trains_as_ddp_on_4_ranks(hsdp_run, ddp_on_4, single_run, tmp_path):
     """strategy.shard_size unset: a shard group is a node's 2 processes (ranks 0-1 and 2-3), each a replica;
-    with SyncBN the final weights and metrics are those of one process at the global batch of 16."""
+    with SyncBN the final weights and metrics are DDP's on 4 ranks (and one process's at the global batch of 16),
+    and each rank holds half of DDP's bytes: its shard of its group's replica."""
     (run_dir,) = run_dirs(hsdp_run)
     log = (run_dir / "train_rank0.log").read_text()
     assert "hsdp: 3 block(s) sharded, then the root, in 2 replicas, each sharded over 2 ranks [[0, 1], [2, 3]]" in log, log
-    assert_close_states(full_state(step_dir(hsdp_run, 16), tmp_path)["model"], last_checkpoint(single_run)["model"])
-    results, single = load_results(hsdp_run), results_of(single_run)
+    hsdp = full_state(step_dir(hsdp_run, 16), tmp_path)["model"]
+    assert_close_states(hsdp, last_checkpoint(ddp_on_4[True])["model"])
+    assert_close_states(hsdp, last_checkpoint(single_run)["model"])
+    results, ddp = load_results(hsdp_run), results_of(ddp_on_4[True])
     assert (results["strategy"], results["world_size"], results["steps"], results["global_batch_size"]) == ("hsdp", 4, 16, 16)
-    assert results["val_samples"] == single["val_samples"] == 37
-    assert results["val_accuracy"] == single["val_accuracy"]
-    assert results["val_loss"] == pytest.approx(single["val_loss"], rel=1e-5)
+    assert results["val_samples"] == ddp["val_samples"] == 37
+    assert results["val_accuracy"] == ddp["val_accuracy"]
+    assert results["val_loss"] == pytest.approx(ddp["val_loss"], rel=1e-5)
     assert results["replicas_identical"] is True
-    # each rank holds half of each parameter, gradient and optimizer state: its shard of its group's replica
-    ddp = load_results(ddp_run[0])
     for key in ("parameter_bytes_per_rank", "gradient_bytes_per_rank", "optimizer_state_bytes_per_rank"):
         assert results[key] == [ddp[key][0] // 2] * 4, key
 
 
-def test_hsdp_without_syncbn_trains_as_ddp_on_4_ranks(tmp_path):
+def test_hsdp_without_syncbn_trains_as_ddp_on_4_ranks(ddp_on_4, tmp_path):
     """Each rank's BatchNorm normalises with its own batch's statistics, as under DDP: 2x2 HSDP (strategy.shard_size=2
     on one node of 4 processes) ends within float noise of DDP on 4 ranks."""
-    args = [*TINY, "data.batch_size=4", "checkpoint.keep_best=0", "trainer.max_epochs=1"]
-    (tmp_path / "hsdp").mkdir(), (tmp_path / "ddp").mkdir()
-    check(launch(["strategy=hsdp", "strategy.shard_size=2", *args], tmp_path / "hsdp", nproc=4))
-    check(launch(["strategy=ddp", *args], tmp_path / "ddp", nproc=4))
-    (run_dir,) = run_dirs(tmp_path / "hsdp")
-    (checkpoint,) = sorted((run_dir / "checkpoints").glob("step-*"))
-    assert_close_states(full_state(checkpoint, tmp_path / "full")["model"], load_last(tmp_path / "ddp")["model"])
+    check(launch(["strategy=hsdp", "strategy.shard_size=2", *TINY, "data.batch_size=4", "checkpoint.keep_best=0"], tmp_path, nproc=4))
+    assert_close_states(full_state(step_dir(tmp_path, 16), tmp_path / "full")["model"], last_checkpoint(ddp_on_4[False])["model"])
 
 
 @pytest.mark.parametrize("strategy, world_size", [("fsdp", 4), ("fsdp", 2), ("hsdp", 2)])

@@ -139,7 +139,8 @@ def buffers_saved(out: Path, rank: int) -> None:
     torch.nn.functional.cross_entropy(model(images), targets).backward()
     optimizer.step()
     torch.save({name: buffer.clone() for name, buffer in model.named_buffers()}, out / f"buffers_rank{rank}.pt")
-    save_sharded_checkpoint(model, optimizer, {}, out / "saved", step=1, keep_last=1)
+    publish = save_sharded_checkpoint(model, optimizer, {}, out / "saved", step=1, keep_last=1)
+    publish()  # every rank: the shards hashed, rank 0 publishes the dir
 
 
 def main(out: Path) -> None:
