@@ -83,12 +83,13 @@ def test_a_rank_killed_during_a_background_write_resumes_from_the_checkpoint_bef
     assert_same_state(final_state(run_dir, strategy, tmp_path / "a"), final_state(sweep[strategy, "true"], strategy, tmp_path / "b"))
 
 
-def test_sigterm_during_a_background_write_exits_once_it_is_complete_and_the_resume_continues(sweep, tmp_path):
-    """FSDP: step 10's write waits 6 s; SIGTERM to torchrun as it starts. The ranks stop at the next step, wait for
-    step 10's write, save the stop's step and exit; both dirs are complete and verified, and a resume from the run
-    dir ends bit-identical to the uninterrupted run."""
+@pytest.mark.parametrize("strategy", ["ddp", "fsdp"])
+def test_sigterm_during_a_background_write_exits_once_it_is_complete_and_the_resume_continues(sweep, strategy, tmp_path):
+    """Step 10's write waits 6 s; SIGTERM to torchrun as it starts. The ranks stop at the next step, wait for step 10's
+    write, save the stop's step and exit; both checkpoints are complete and verified, and a resume from the run dir
+    ends bit-identical to the uninterrupted run."""
     run_dir = tmp_path / "outputs" / "run"
-    process = start([str(TORCHRUN), "--nproc_per_node=2", "--shutdown-timeout=60", str(TRAIN), *ASYNC, "strategy=fsdp",
+    process = start([str(TORCHRUN), "--nproc_per_node=2", "--shutdown-timeout=60", str(TRAIN), *ASYNC, f"strategy={strategy}",
                      "fault.slow_save_step=10", "fault.slow_save_s=6", "hydra.run.dir=outputs/run"], tmp_path)
     log_file = run_dir / "train_rank0.log"
     slow_write = "fault.slow_save_step=10: its background write waits 6 s first"
@@ -100,9 +101,10 @@ def test_sigterm_during_a_background_write_exits_once_it_is_complete_and_the_res
     assert stopped, log[-4000:]
     stop_step = int(stopped.group(1))
     assert 10 < stop_step < 16 and "checkpoint of step 10: waited" in log, log[-4000:]
+    suffix = ".pt" if strategy == "ddp" else ""
     for step in (10, stop_step):
-        assert load_checkpoint(run_dir / "checkpoints" / f"step-{step:08d}")["global_step"] == step  # complete, verified
-    check(launch([*ASYNC, "strategy=fsdp", "resume=outputs/run", "hydra.run.dir=outputs/run"], tmp_path, nproc=2))
-    resumed = rf"resumed from \S+step-{stop_step:08d} at epoch 1, batch {stop_step - 8}, step {stop_step}\b"
+        assert load_checkpoint(run_dir / "checkpoints" / f"step-{step:08d}{suffix}")["global_step"] == step  # complete, verified
+    check(launch([*ASYNC, f"strategy={strategy}", "resume=outputs/run", "hydra.run.dir=outputs/run"], tmp_path, nproc=2))
+    resumed = rf"resumed from \S+ at epoch 1, batch {stop_step - 8}, step {stop_step}\b"
     assert re.search(resumed, (run_dir / "train_rank0.log").read_text())
-    assert_same_state(final_state(run_dir, "fsdp", tmp_path / "a"), final_state(sweep["fsdp", "true"], "fsdp", tmp_path / "b"))
+    assert_same_state(final_state(run_dir, strategy, tmp_path / "a"), final_state(sweep[strategy, "true"], strategy, tmp_path / "b"))
