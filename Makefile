@@ -21,7 +21,7 @@ export TORCH_DISABLE_SHARE_RDZV_TCP_STORE := 1
 export PYTHONDONTWRITEBYTECODE :=
 
 .DEFAULT_GOAL := help
-.PHONY: help install train test smoke-test gpu-check sweep bench tensorboard mlflow-ui export verify slurm-up slurm-down
+.PHONY: help install train test smoke-test soak gpu-check sweep bench tensorboard mlflow-ui export verify slurm-up slurm-down
 
 help: ## List the targets
 	@grep -E '^[a-z-]+:.*## ' $(MAKEFILE_LIST) | awk -F':.*## ' '{printf "  make %-12s %s\n", $$1, $$2}'
@@ -63,6 +63,12 @@ smoke-test: $(call installed) ## Seven short CPU runs: single, dp, torchrun ddp 
 	$(TORCHRUN) --nproc_per_node=2 train.py strategy=ddp syncbn=true $(SMOKE_SEG)
 	$(TORCHRUN) --nproc_per_node=2 train.py strategy=ddp syncbn=true task=distillation model@task.teacher_model=small_cnn task.teacher_model.channels=[32,64] $(SMOKE)
 	$(TORCHRUN) --nproc_per_node=2 train.py strategy=ddp syncbn=true task=simclr data.views=2 data.augment=true $(SMOKE)
+
+# make soak's settings: the seed that draws the faults, and how many (as many of each kind)
+SOAK_SEED ?= 0
+SOAK_FAULTS ?= 30
+soak: $(call installed) ## A long seeded fault soak: a 2-rank torchrun run hit by SOAK_FAULTS faults of 5 kinds must end bit-identical to it left alone (SOAK_SEED=)
+	$(PY) tests/soak.py --seed $(SOAK_SEED) --faults $(SOAK_FAULTS)
 
 gpu-check: ## The CUDA paths in one short run on one GPU; without one it says so (any Python with torch: PY=python3)
 	$(PY) tests/gpu/gpu_check.py

@@ -25,11 +25,11 @@ import http.client
 import logging
 import os
 import queue
-import shutil
 import threading
 import time
 import urllib.error
 import urllib.request
+import zlib
 from pathlib import Path
 
 from data.vision import BadSample
@@ -57,11 +57,14 @@ class ShardCorrupt(ShardUnavailable):
 
 def shard_problem(path: Path, size: int, crc32: str) -> str | None:
     """What differs between a shard and its digest in dataset.json (its size in bytes, its CRC-32 in hex), or None."""
-    if (actual := path.stat().st_size) != size:
-        return f"{actual} bytes where dataset.json lists {size}"
-    if (read := f"{file_crc32(path):08x}") != crc32:
-        return f"CRC-32 {read} where dataset.json lists {crc32}"
-    return None
+    actual = path.stat().st_size
+    return digest_problem(actual, file_crc32(path) if actual == size else 0, size, crc32)
+
+
+def digest_problem(size: int, crc: int, listed_size: int, listed_crc: str) -> str | None:
+    if size != listed_size:
+        return f"{size} bytes where dataset.json lists {listed_size}"
+    return None if f"{crc:08x}" == listed_crc else f"CRC-32 {crc:08x} where dataset.json lists {listed_crc}"
 
 
 class ShardCache:
@@ -118,17 +121,21 @@ class ShardCache:
         part = target.with_name(f"{target.name}.part-{os.getpid()}-{threading.get_ident()}")
 
         def save(response) -> bool | str:
-            """True once the file is in place; what differs from its digest, where it doesn't match."""
+            """True once the file is in place; what differs from its digest, where it doesn't match. The CRC-32 is
+            computed as the bytes arrive: no second read (make bench's integrity row)."""
+            crc = 0
             with open(part, "wb") as out:
                 length = response.headers.get("Content-Length")
                 self._make_room(int(length or 0), keep=target)
-                shutil.copyfileobj(response, out, CHUNK_BYTES)
+                while chunk := response.read(CHUNK_BYTES):
+                    out.write(chunk)
+                    crc = zlib.crc32(chunk, crc)
                 # a connection closed early ends a chunked read without an error: count the bytes
                 if length is not None and out.tell() != int(length):
                     raise ConnectionError(f"the connection closed after {out.tell()} of {length} bytes")
                 out.flush()
                 os.fsync(out.fileno())
-            if url in self.digests and (problem := shard_problem(part, *self.digests[url])):
+            if url in self.digests and (problem := digest_problem(part.stat().st_size, crc, *self.digests[url])):
                 return problem
             os.replace(part, target)
             self._verified.add(url)

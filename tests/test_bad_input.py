@@ -315,6 +315,7 @@ OUR_ERRORS = {
     "eval_of_an_unreadable_sharded_checkpoint": (
         QUICK + ["mode=eval", "resume={dir}"], "resume", "unreadable sharded checkpoint", _truncated_sharded_checkpoint,
     ),
+    "missing_fault_plan": (QUICK + ["fault.plan={tmp}/faults.json"], "fault.plan={tmp}/faults.json", "no such file", None),
     "repeated_device": (QUICK + ["devices=[0,0]"], "devices=[0, 0]", "distinct GPU indices", None),
     "negative_device": (QUICK + ["devices=[-1]"], "devices=[-1]", "distinct GPU indices", None),
     "missing_weights_file": (QUICK + ["model.weights_path={tmp}/missing.pt"], "model.weights_path={tmp}/missing.pt", "not found", None),

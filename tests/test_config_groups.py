@@ -87,7 +87,7 @@ DEFAULT_KEYS = {
     "trainer.objective", "trainer.early_stop_patience", "trainer.early_stop_min_delta",
     "checkpoint.every_n_steps", "checkpoint.keep_last", "checkpoint.keep_best", "checkpoint.best_of", "checkpoint.async_save",
     "fault.kill_rank", "fault.raise_rank", "fault.stall_rank", "fault.at_step", "fault.every_attempt",
-    "fault.record_samples_dir", "fault.slow_rank", "fault.slow_ms", "fault.slow_val_ms", "fault.slow_save_step", "fault.slow_save_s",
+    "fault.record_samples_dir", "fault.slow_rank", "fault.slow_ms", "fault.slow_val_ms", "fault.slow_save_step", "fault.slow_save_s", "fault.plan",
     "profiler.enabled", "profiler.wait", "profiler.warmup", "profiler.active", "profiler.table_rows",
     "profiler.memory_history", "profiler.memory_snapshot_step",
     "ema.decay", "devices", "backend", "syncbn", "deterministic", "precision", "channels_last", "keep_freed_host_memory", "compile",

@@ -263,12 +263,15 @@ def test_compiled_ddp_trains_and_saves_plain_keys(tmp_path):
     assert load_results(tmp_path)["steps"] == 3
 
 
-@pytest.mark.parametrize("strategy", [["strategy=single"], ["strategy=ddp", "strategy.nproc_per_node=2"]], ids=["single", "self_launched_ddp"])
-def test_a_diverging_run_stops_in_one_line_and_never_saves_non_finite_weights(tmp_path, strategy):
-    """Also under self-launched DDP, where the launcher prints the ranks' one line (no worker tracebacks)."""
-    result = launch([*strategy, *TINY, "optim.lr=1e6", "checkpoint.every_n_steps=1"], tmp_path)
+@pytest.mark.parametrize("strategy,nproc", [(["strategy=single"], None), (["strategy=ddp", "strategy.nproc_per_node=2"], None),
+                                            (["strategy=ddp"], 2)], ids=["single", "self_launched_ddp", "torchrun"])
+def test_a_diverging_run_stops_in_one_line_and_never_saves_non_finite_weights(tmp_path, strategy, nproc):
+    """Also under self-launched DDP, where the launcher prints the ranks' one line (no worker tracebacks), and under
+    torchrun, where the ranks agree on it and rank 0 alone prints it (torchrun adds its own summary)."""
+    result = launch([*strategy, *TINY, "optim.lr=1e6", "checkpoint.every_n_steps=1"], tmp_path, nproc=nproc)
     assert result.returncode == 1, result.stdout + result.stderr
-    (line,) = result.stderr.strip().splitlines()
+    lines = result.stderr.strip().splitlines()
+    (line,) = [line for line in lines if line.startswith("error:")] if nproc else lines
     assert re.fullmatch(r"error: training diverged: a non-finite loss or gradient norm between steps \d+ and \d+ "
                         r"\(precision=32, lr=1e\+06\); .*", line), line
     for path in tmp_path.rglob("*.pt"):

@@ -9,6 +9,8 @@ import os
 import pickle
 import shutil
 import tempfile
+import threading
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -39,8 +41,9 @@ def checkpoint_dir(run_dir: Path) -> Path:
     return run_dir / "checkpoints"
 
 
-def save_checkpoint(state: dict[str, Any], path: Path) -> None:
-    """Write to a temp file in the same dir, fsync, then rename over `path`.
+def save_checkpoint(state: dict[str, Any], path: Path, before_publish: Callable[[], None] | None = None) -> None:
+    """Write to a temp file in the same dir, fsync, then rename over `path` (`before_publish`, a fault aid, runs
+    between the two).
 
     A save that dies (full disk, kill, an error while pickling) leaves the previous file intact;
     a temp file left by a killed save is removed by the next save. A full disk raises DiskFull, one
@@ -55,6 +58,8 @@ def save_checkpoint(state: dict[str, Any], path: Path) -> None:
             torch.save(state, f)
             f.flush()
             os.fsync(f.fileno())
+        if before_publish is not None:
+            before_publish()
         os.replace(tmp_name, path)
     except BaseException as error:
         written_mb = os.stat(tmp_name).st_size / 2**20 if os.path.exists(tmp_name) else 0.0
@@ -86,11 +91,12 @@ def no_space_left(error: BaseException, directory: Path) -> bool:
     return isinstance(error, RuntimeError) and shutil.disk_usage(directory).free < 2**20
 
 
-def save_step_checkpoint(state: dict[str, Any], run_dir: Path, step: int, keep_last: int) -> Path:
+def save_step_checkpoint(state: dict[str, Any], run_dir: Path, step: int, keep_last: int,
+                         before_publish: Callable[[], None] | None = None) -> Path:
     """Save `step-<step>.pt`, point `last.pt` at it, and keep only the newest `keep_last` step files."""
     directory = checkpoint_dir(run_dir)
     path = directory / f"step-{step:08d}.pt"
-    save_checkpoint(state, path)
+    save_checkpoint(state, path, before_publish)
     _link(path, directory / LAST)
     fsync_dir(directory)
     for old in sorted(directory.glob("step-*.pt"))[:-keep_last]:
@@ -166,19 +172,54 @@ def load_checkpoint(path: Path) -> dict[str, Any]:
         return _load_file(path / SHARDED_STATE)
     if not path.is_file():
         raise CheckpointError(f"{path}: not found")
-    verify_checkpoint(path)
-    return _load_file(path)
+    return _load_verified(path)
+
+
+def _load_verified(path: Path) -> dict[str, Any]:
+    """A checkpoint file loaded while a thread verifies it: zlib's CRC releases the GIL, so the check runs beside
+    torch.load and adds little to the load's time (make bench's integrity row). Loading an unchecked file is safe
+    (weights_only runs no code); what it loaded is returned only once the check passed, and a corrupt file is
+    named corrupt even where torch.load failed on it first."""
+    verdict: list[bool | BaseException] = []
+
+    def check() -> None:
+        try:
+            verdict.append(verify(path))
+        except BaseException as error:  # Corrupt, or an error reading the file: judged below
+            verdict.append(error)
+
+    checker = threading.Thread(target=check, name="verify-checkpoint", daemon=True)
+    checker.start()
+    try:
+        state = _load_file(path)
+    except BaseException:
+        checker.join()
+        if isinstance(verdict[0], Corrupt):
+            _judge(path, verdict[0])  # corrupt, rather than unreadable
+        raise
+    checker.join()
+    _judge(path, verdict[0])
+    return state
 
 
 def verify_checkpoint(path: Path) -> None:
     """A CheckpointError naming the file or dir where its bytes changed after the save; a line in the log where it
     carries no digest to check."""
     try:
-        if not verify(path):
-            log.info("%s carries no digest, so it loads unverified (saved with torch's CRCs off, a sharded checkpoint "
-                     "saved before digests, or another format)", path)
+        verdict = verify(path)
     except Corrupt as error:
-        raise CheckpointError(f"{path}: corrupt, {error}: its bytes changed after it was saved") from None
+        verdict = error
+    _judge(path, verdict)
+
+
+def _judge(path: Path, verdict: bool | BaseException) -> None:
+    if isinstance(verdict, Corrupt):
+        raise CheckpointError(f"{path}: corrupt, {verdict}: its bytes changed after it was saved") from None
+    if isinstance(verdict, BaseException):
+        raise verdict
+    if not verdict:
+        log.info("%s carries no digest, so it loads unverified (saved with torch's CRCs off, a sharded checkpoint "
+                 "saved before digests, or another format)", path)
 
 
 def _load_file(path: Path) -> dict[str, Any]:

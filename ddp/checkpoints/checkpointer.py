@@ -15,7 +15,7 @@ from ddp.checkpoints.checkpoint import DiskFull, keep_best_checkpoints, save_ste
 from ddp.checkpoints.resume import capture_rank_state, checkpoint_state, gather_rank_states, restore_rank_state
 from ddp.distributed.dtensor import is_sharded
 from ddp.run_context import RunContext
-from ddp.training.faults import save_delay_s
+from ddp.training.faults import FaultPlan, save_delay_s
 from ddp.training.frozen import check_frozen_unchanged, frozen_fingerprints
 from ddp.training.progress import Position
 
@@ -47,7 +47,7 @@ class Checkpointer:
         self.frozen = frozen_fingerprints(update.task)  # a resume must use the same frozen modules (a teacher)
         self.saved_step = saved_step  # -1: nothing saved by this run or the one it resumes
         self.best = best
-        self.fault = ctx.cfg.fault
+        self.fault, self.fault_plan = ctx.cfg.fault, FaultPlan.of(ctx.cfg.fault, ctx.env.rank)
         self.in_background = ctx.cfg.checkpoint.async_save
         # a collective, on every rank alike: the sharded save's own group
         self.save_group = dist.new_group(backend="gloo") if self.in_background and is_sharded(raw_model) else None
@@ -87,7 +87,11 @@ class Checkpointer:
             state = self.state(position, rank_states)
 
             def write() -> Path:
-                return save_step_checkpoint(state, self.run_dir, step, self.keep_last)
+                in_save = self.fault_plan and (lambda: self.fault_plan.in_save(step))  # fault.plan's kill_in_save
+                path = save_step_checkpoint(state, self.run_dir, step, self.keep_last, before_publish=in_save)
+                if self.fault_plan:
+                    self.fault_plan.after_save(step, path)  # fault.plan's corrupt
+                return path
 
         def write_and_keep() -> None:
             path = write()
@@ -147,7 +151,11 @@ class Checkpointer:
             raise error
         if word[0] is not None:
             full, message = word[0]
-            raise DiskFull(message) if full else RuntimeError(f"rank 0's checkpoint save failed: {message}")
+            if not full:
+                raise RuntimeError(f"rank 0's checkpoint save failed: {message}")
+            error = DiskFull(message)
+            error.on_every_rank = dist.is_initialized()  # every rank raises rank 0's line: rank 0 alone says it
+            raise error
 
     def state(self, position: Position, rank_states: list[dict], sharded: bool = False) -> dict:
         """What rank 0 saves; a sharded checkpoint's model and optimizer states are in its shards. With async_save, a

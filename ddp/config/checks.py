@@ -128,6 +128,7 @@ def validate(cfg: Any, *, launched: bool, world_size: int) -> None:
     _check(cfg.fault.slow_rank < world_size, f"fault.slow_rank={cfg.fault.slow_rank}: there are only {world_size} ranks")
     _check(cfg.fault.slow_rank < 0 or cfg.fault.slow_ms > 0, f"fault.slow_rank={cfg.fault.slow_rank} needs fault.slow_ms > 0")
     _check(cfg.fault.slow_val_ms >= 0, f"fault.slow_val_ms={cfg.fault.slow_val_ms}: must be >= 0")
+    _check(not cfg.fault.plan or Path(cfg.fault.plan).is_file(), f"fault.plan={cfg.fault.plan}: no such file (a JSON list of faults, see tests/soak.py)")
     _check(cfg.task.direction in DIRECTIONS,
            f"task.direction={cfg.task.direction}: unknown, use one of {', '.join(DIRECTIONS)}")
     _check(cfg.mode in MODES, f"mode={cfg.mode}: unknown, use one of {', '.join(MODES)}")

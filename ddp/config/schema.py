@@ -247,6 +247,7 @@ class FaultConfig:
     record_samples_dir: str | None = None  # each rank appends the dataset indices of every batch it trains here
     slow_save_step: int = -1  # the background write of this step's checkpoint (checkpoint.async_save) ...
     slow_save_s: float = 0.0  # ... waits this long first, as on a slow filesystem
+    plan: str | None = None  # a JSON file of faults, each thrown once at its step (ddp/training/faults.py's FaultPlan; tests/soak.py)
 
 
 @dataclass

@@ -1,6 +1,6 @@
 """How a job ends when its run fails or is interrupted: a config error (its run dir put back as it was,
 and under torchrun one line for a refusal that every rank meets alike), divergence, a full disk or CUDA
-out of memory (with profiler.memory_history) as one line and exit 1, a sweep's job failing alone (without
+out of memory (with profiler.memory_history) as one line and exit 1 (said by rank 0 where the ranks agreed on it), a sweep's job failing alone (without
 the frames that hold its run), a sweep under torchrun stopped at once; a failing rank's traceback recorded
 for torchrun's error summary, whole or not at all."""
 
@@ -89,12 +89,17 @@ def end_failed_job(error: BaseException, hydra_cfg, cfg, env: DistEnv) -> BaseEx
         sys.stderr.write("error: interrupted before or after training: exiting; nothing more was saved\n")
         sys.exit(130)
     if getattr(error, "continues_once_fixed", False):  # a full disk freed, a shard server back (data/shard_cache.py)
-        error = type(error)(f"{error}, then {_how_to_continue(hydra_cfg, env)}")
+        error.args = (f"{error}, then {_how_to_continue(hydra_cfg, env)}",)
     if isinstance(error, (ConfigError, Diverged, DiskFull, OutOfMemory)):
         # without the frames that hold it, the run's DataLoader shuts its workers down now, before the line
         drop_traceback(error)
-        # a refused run leaves its dir as it was (none, if the launch made it)
-        says_it = end_refused_launch(str(error), Path(hydra_cfg.runtime.output_dir), env) if isinstance(error, ConfigError) else True
+        # a refused run leaves its dir as it was (none, if the launch made it); a failure the ranks agreed on (they
+        # raise it together) is said by rank 0 alone, one that some ranks found by each of them (an out-of-memory
+        # names the rank and its snapshot)
+        if isinstance(error, ConfigError):
+            says_it = end_refused_launch(str(error), Path(hydra_cfg.runtime.output_dir), env)
+        else:
+            says_it = env.rank == 0 or not getattr(error, "on_every_rank", False)
         if says_it:
             sys.stderr.write(f"error: {error}\n")  # one write: ranks printing at once keep their lines whole
         if in_sweep and not env.launched:

@@ -21,7 +21,7 @@ from ddp.reporting.rank_zero import RankZeroWriter
 from ddp.reporting.tracker_process import TrackerProcess
 from ddp.reporting.trackers import PointJournal, TrackedRun, picked
 from ddp.run_context import RunContext
-from ddp.training.faults import inject_fault
+from ddp.training.faults import FaultPlan, inject_fault
 
 log = logging.getLogger("train")  # the run's own console lines, under the script's name
 
@@ -36,7 +36,7 @@ class RunMonitor:
     def __init__(self, ctx: RunContext, trained_module: torch.nn.Module, length, *, start_step: int, resumed: bool):
         trainer_cfg, env, device = ctx.cfg.trainer, ctx.env, ctx.device
         self.log_every_n_steps, self.fault_cfg, self.env, self.device = trainer_cfg.log_every_n_steps, ctx.cfg.fault, env, device
-        self.fault_at_step = ctx.cfg.fault.at_step
+        self.fault_at_step, self.fault_plan = ctx.cfg.fault.at_step, FaultPlan.of(ctx.cfg.fault, env.rank)
         self.global_batch = length.global_batch
         self.cuda_devices, self.memory_reset = ctx.gpus, ctx.memory_reset
         self.meter = ThroughputMeter(trainer_cfg.warmup_steps, device)
@@ -114,6 +114,8 @@ class RunMonitor:
         self.compute_timer.update_done()
         if step == self.fault_at_step:  # read once: a DictConfig attribute costs microseconds every step
             inject_fault(self.fault_cfg, self.env.rank, step)
+        if self.fault_plan is not None:
+            self.fault_plan.at_step(step)
         agreed_stop = None
         if log_step or epoch_ends:
             timings = [self.meter.window_data_wait(), self.compute_timer.window_per_update()] if log_step else [0.0, 0.0]

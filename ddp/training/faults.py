@@ -1,11 +1,14 @@
 """Injected faults and a record of the samples trained: testing aids for fault tolerance. Off by
-default (`fault.*` = -1, `fault.record_samples_dir` = null)."""
+default (`fault.*` = -1, `fault.record_samples_dir` = null, `fault.plan` = null)."""
 
 import json
 import logging
 import os
 import signal
+import struct
+import threading
 import time
+import zipfile
 from collections.abc import Callable
 from pathlib import Path
 
@@ -59,6 +62,108 @@ def slow_down(module, fault_cfg, rank: int) -> None:
             time.sleep(fault_cfg.slow_val_ms / 1000)
 
     module.register_forward_pre_hook(sleep)
+
+
+class FaultPlan:
+    """fault.plan: a JSON list of faults, each thrown once, by its rank, when the run first reaches its step (or the
+    first step after it); a storm of them is tests/soak.py's. Each fault is `{"kind", "step", "rank"}` (rank 0's where
+    the kind has no rank), plus `delay_ms` for a kill and `at` (0 to 1) for a corruption. Kinds:
+    - `kill_rank`: SIGKILL of the rank, `delay_ms` after the step, wherever it is then;
+    - `kill_worker`: SIGKILL of one of the rank's loader workers;
+    - `kill_in_save`: SIGKILL of rank 0 inside the first checkpoint save from the step on, its file written but not
+      yet in place;
+    - `stop`: SIGTERM to rank 0's parent, torchrun (a preemption), which then stops every rank;
+    - `corrupt`: after the first checkpoint save from the step on, a bit flipped in the tensor data of the file just
+      saved (at `at` of it), then a SIGKILL of rank 0, so that the restart must resume past it.
+    The saves' are a plain checkpoint's (a file).
+    Each is written to `<plan>.thrown` (one JSON line) before it is thrown, so that no restart or relaunch throws it
+    again, and the soak can say what was thrown."""
+
+    KINDS = ("kill_rank", "kill_worker", "kill_in_save", "stop", "corrupt")
+
+    def __init__(self, path: str, rank: int):
+        self.rank = rank
+        self.journal = Path(f"{path}.thrown")
+        thrown = {json.loads(line)["id"] for line in self.journal.read_text().splitlines()} if self.journal.exists() else set()
+        faults = [dict(fault, id=index) for index, fault in enumerate(json.loads(Path(path).read_text()))]
+        self.left = [fault for fault in faults if fault["id"] not in thrown and fault.get("rank", 0) == rank]
+
+    @classmethod
+    def of(cls, fault_cfg, rank: int) -> "FaultPlan | None":
+        return cls(fault_cfg.plan, rank) if fault_cfg.plan else None
+
+    def at_step(self, step: int) -> None:
+        """Throws this rank's faults due at `step`, in the plan's order, until one ends the process (a save's wait for
+        the save)."""
+        for fault in [fault for fault in self.left if fault["step"] <= step and fault["kind"] in ("kill_rank", "kill_worker", "stop")]:
+            kind = fault["kind"]
+            if kind == "kill_rank":
+                self._throw(fault, step)  # recorded now: the kill comes later, wherever the rank is then
+                threading.Timer(fault.get("delay_ms", 0) / 1000, os.kill, (os.getpid(), signal.SIGKILL)).start()
+                return
+            if kind == "kill_worker":
+                self._throw(fault, step)
+                _kill_a_loader_worker(fault.get("worker", 0))
+            else:
+                self._throw(fault, step)
+                os.kill(os.getppid(), signal.SIGTERM)
+                return
+
+    def in_save(self, step: int) -> None:
+        """Inside the save of `step`'s checkpoint, written but not in place: a due kill_in_save kills this rank."""
+        if fault := self._due("kill_in_save", step):
+            self._throw(fault, step)
+            os.kill(os.getpid(), signal.SIGKILL)
+
+    def after_save(self, step: int, path: Path) -> None:
+        """After the save of `step`'s checkpoint to `path`: a due corruption flips a bit of it and kills this rank."""
+        if fault := self._due("corrupt", step):
+            self._throw(fault, step)
+            flip_a_bit_of_tensor_data(path, fault.get("at", 0.5))
+            os.kill(os.getpid(), signal.SIGKILL)
+
+    def _due(self, kind: str, step: int) -> dict | None:
+        return next((fault for fault in self.left if fault["kind"] == kind and fault["step"] <= step), None)
+
+    def _throw(self, fault: dict, step: int) -> None:
+        self.left.remove(fault)
+        log.warning("fault.plan: %s (fault %d) at step %d", fault["kind"], fault["id"], step)
+        with open(self.journal, "a") as journal:  # one whole line, before the fault
+            journal.write(json.dumps(fault | {"thrown_at_step": step}) + "\n")
+
+
+def _kill_a_loader_worker(which: int) -> None:
+    """SIGKILL of one of this rank's DataLoader workers (the `which`-th alive, modulo their number): the children of
+    its fork server, a child of the rank (Linux)."""
+    def children(pid: int) -> list[int]:
+        found = []
+        for task in Path(f"/proc/{pid}/task").glob("*"):
+            found += [int(child) for child in (task / "children").read_text().split()]
+        return found
+
+    workers = sorted(worker for server in children(os.getpid()) for worker in children(server))
+    if workers:
+        os.kill(workers[which % len(workers)], signal.SIGKILL)
+    else:
+        log.warning("fault.plan: kill_worker found no loader worker alive")
+
+
+def flip_a_bit_of_tensor_data(path: Path, at: float) -> None:
+    """One bit flipped in a torch.save file's tensor records (the `data/` ones), at fraction `at` of their bits."""
+    with zipfile.ZipFile(path) as archive:
+        records = [record for record in archive.infolist() if "/data/" in record.filename and record.file_size]
+    offset, bit = divmod(int(at * 8 * sum(record.file_size for record in records)), 8)
+    with open(path, "r+b") as file:
+        for record in records:
+            if offset < record.file_size:
+                file.seek(record.header_offset + 26)
+                name_length, extra_length = struct.unpack("<HH", file.read(4))
+                file.seek(record.header_offset + 30 + name_length + extra_length + offset)
+                byte = file.read(1)[0]
+                file.seek(-1, os.SEEK_CUR)
+                file.write(bytes([byte ^ 1 << bit]))
+                return
+            offset -= record.file_size
 
 
 class SampleRecorder:

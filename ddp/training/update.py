@@ -23,6 +23,8 @@ LOOP_SCALARS = frozenset({"loss", "lr", "grad_norm", "samples_per_s", "samples_p
 class Diverged(RuntimeError):
     """A loss (or gradient norm) was not finite: the run stops without saving."""
 
+    on_every_rank = True  # raised once the ranks agreed (check_finite, checked): rank 0 alone says it (ddp/jobs/failures.py)
+
 
 class UpdateStep:
     """One optimizer update from a group of micro-batches.
