@@ -26,6 +26,8 @@ from ddp.training.wrap import wrap_model
 from models import build_model
 
 log = logging.getLogger("train")  # the run's own console lines, under the script's name
+# The checkpoint use_checkpoint_task read, by (resume, run dir), for evaluate_checkpoint to take: read and verified once
+_read: dict[tuple[str, Path], tuple[Path, dict]] = {}
 
 
 @record
@@ -39,7 +41,7 @@ def evaluate_checkpoint(ctx: RunContext, splits, task) -> dict:
     dataset = splits.test if split == "test" else splits.val
     if dataset is None:
         raise ConfigError(f"data.split=test: this dataset ({cfg.data._target_}) has no test split; use data.split=val")
-    path, checkpoint = find_resume_checkpoint(cfg.resume, run_dir, restarted=False)
+    path, checkpoint = _read.pop((cfg.resume, run_dir), None) or find_resume_checkpoint(cfg.resume, run_dir, restarted=False)
     state = checkpoint.get("model")
     if checkpoint.get("sharded"):  # strategy=fsdp's reads back whole, so any strategy and world size evaluates it
         from ddp.checkpoints.sharded_checkpoint import full_model_state  # DCP, imported where it's used (ddp/distributed/fsdp.py)
@@ -84,16 +86,19 @@ def evaluate_checkpoint(ctx: RunContext, splits, task) -> dict:
 def use_checkpoint_task(cfg: DictConfig, run_dir: Path, overrides: list[str]) -> None:
     """mode=eval: cfg.task becomes the task of the checkpoint that `resume` names, as its model does (its config's),
     unless the command line's `overrides` name a task (task=..., task.<key>=...): a task's heads are part of the model
-    it trained, and every stage after this one (check_startup, the objective main returns) reads cfg.task."""
+    it trained, and every stage after this one (check_startup, the objective main returns) reads cfg.task. The
+    checkpoint read is kept for evaluate_checkpoint (a sweep's next job drops one its job didn't take)."""
+    _read.clear()
     if cfg.mode != "eval" or cfg.resume in (None, "auto"):
         return  # training, or a resume that validate refuses in one line
     if any(override.split("=", 1)[0].lstrip("+~").split(".", 1)[0] == "task" for override in overrides):
         return
     try:
-        _, checkpoint = find_resume_checkpoint(cfg.resume, run_dir, restarted=False)
+        found = find_resume_checkpoint(cfg.resume, run_dir, restarted=False)
     except ConfigError:
         return  # refused in one line where evaluate_checkpoint loads it, after the checks before it
-    trained_with = checkpoint["config"].get("task")
+    _read[cfg.resume, run_dir] = found
+    trained_with = found[1]["config"].get("task")
     if trained_with is not None:  # None: saved before tasks existed, when every run classified
         with open_dict(cfg):  # the task's options are its builder's (ddp/config/builder_options.py), not TaskConfig's
             cfg.task = OmegaConf.merge(OmegaConf.structured(TaskConfig, flags={"struct": False}), trained_with)

@@ -28,18 +28,23 @@ class Corrupt(Exception):
     """A checkpoint whose bytes changed after it was saved; the message says where."""
 
 
-def file_crc32(path: Path, start: int = 0, length: int | None = None) -> int:
-    """The CRC-32 of `length` bytes of `path` from `start` (to its end if None), read in large chunks."""
-    crc, buffer = 0, bytearray(CHUNK_BYTES)
+def file_crc32(path: Path) -> int:
+    """The CRC-32 of a whole file."""
     with open(path, "rb", buffering=0) as file:
-        file.seek(start)
-        left = length if length is not None else float("inf")
-        while left > 0:
-            read = file.readinto(memoryview(buffer)[:int(min(left, CHUNK_BYTES))])
-            if not read:
-                break
-            crc = zlib.crc32(memoryview(buffer)[:read], crc)
-            left -= read
+        return crc32_of(file, 0, None)
+
+
+def crc32_of(file, start: int, length: int | None) -> int:
+    """The CRC-32 of `length` bytes of an open file from `start` (to its end if None), read in large chunks."""
+    crc, buffer = 0, bytearray(CHUNK_BYTES)
+    file.seek(start)
+    left = length if length is not None else float("inf")
+    while left > 0:
+        read = file.readinto(memoryview(buffer)[:int(min(left, CHUNK_BYTES))])
+        if not read:
+            break
+        crc = zlib.crc32(memoryview(buffer)[:read], crc)
+        left -= read
     return crc
 
 
@@ -57,7 +62,7 @@ def verify_file(path: Path) -> bool:
     with archive:
         records = archive.infolist()
     checked = True
-    with open(path, "rb") as file:
+    with open(path, "rb", buffering=0) as file:
         for record in records:
             if record.CRC == 0 and record.file_size > 0 or record.compress_type != zipfile.ZIP_STORED:
                 checked = False  # compute_crc32 = False (torch.utils.serialization.config.save) writes 0; torch never compresses
@@ -68,7 +73,7 @@ def verify_file(path: Path) -> bool:
                 raise Corrupt(f"record {record.filename} has no valid header")
             *_, name_length, extra_length = LOCAL_HEADER.unpack(header)
             start = record.header_offset + LOCAL_HEADER.size + name_length + extra_length
-            if (crc := file_crc32(path, start, record.compress_size)) != record.CRC:
+            if (crc := crc32_of(file, start, record.compress_size)) != record.CRC:
                 raise Corrupt(f"record {record.filename} fails its CRC-32 check (written {record.CRC:08x}, read {crc:08x})")
     return checked
 
