@@ -368,6 +368,25 @@ def test_optuna_optimises_the_tasks_objective_in_its_direction(ddp_optuna_search
     assert optuna_results["best_value"] == min(val_losses)
 
 
+def test_an_optuna_trial_that_fails_is_its_one_line_recorded_failed_and_the_search_goes_on(tmp_path):
+    """A search over data.batch_size in {0, 16}: a trial of batch 0 is refused in its one `error:` line (no `Error
+    executing job`, no traceback), Optuna records it as failed, the next trials run, the best is a trial that ran,
+    and after the summary the sweep exits 1."""
+    result = launch(["-m", "hparams_search=optuna", "hydra.sweeper.n_trials=3", "optim.lr=choice(0.05)",
+                     "data.batch_size=choice(0,16)", *SMALL], tmp_path, timeout=240)
+    text = result.stdout + result.stderr
+    assert result.returncode == 1, text[-4000:]
+    assert "Error executing job" not in text and "Traceback" not in text and "setup plugin" not in text, text[-4000:]
+    rows = summary_rows(the_sweep_dir(tmp_path))
+    failed = [row for row in rows if row["status"] != "ok"]
+    assert failed and len(failed) < len(rows) == 3, rows
+    refusal = "data.batch_size=0: must be > 0 (it is per process), e.g. data.batch_size=32"
+    assert all(row["batch_size"] == "0" and row["status"] == f"failed: ConfigError: {refusal}" for row in failed), rows
+    assert [line for line in result.stderr.splitlines() if line.startswith("error:")] == [f"error: {refusal}"] * len(failed)
+    optuna_results = yaml.safe_load((the_sweep_dir(tmp_path) / "optimization_results.yaml").read_text())
+    assert optuna_results["best_params"]["data.batch_size"] == 16, optuna_results
+
+
 # --- 7. Optuna under torchrun ------------------------------------------------------------------
 
 def test_optuna_under_torchrun_is_refused_before_training(tmp_path):

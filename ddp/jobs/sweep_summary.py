@@ -25,11 +25,12 @@ COLUMNS = ["job", "overrides", "world_size", "batch_size", "global_batch_size", 
 LAST_COLUMNS = ["samples_per_s", "wall_s", "status", "best"]
 
 BASIC_SWEEPER = "hydra._internal.core_plugins.basic_sweeper.BasicSweeper"
+OPTUNA_SWEEPER = "hydra_plugins.hydra_optuna_sweeper.optuna_sweeper.OptunaSweeper"
 
-# One sweep per process: the rows so far, and where they go; the jobs whose one-line error the summary reports.
+# One sweep per process: the rows so far, and where they go; the failed jobs the sweep went on past.
 _rows: list[dict[str, Any]] = []
 _sweep_dir: list[Path] = []
-_failed_in_one_line: list[int] = []
+_failed: list[int] = []
 
 
 def columns(objective: str) -> list[str]:
@@ -42,7 +43,9 @@ class SweepSummary(Callback):
 
     A job of the basic sweeper that failed with a one-line error (a startup refusal, divergence: its line
     printed as it failed) is left to the summary: Hydra would end the sweep after the batch with `Error
-    executing job` and a traceback through main. The sweep goes on and exits 1 at its end, after the summary."""
+    executing job` and a traceback through main. An Optuna trial that failed (an unexpected error's traceback
+    is in its log) returns what failed, no number, which Optuna records as a failed trial, and the search goes
+    on. Either sweep exits 1 at its end, after the summary."""
 
     def on_job_end(self, config: DictConfig, job_return: JobReturn, **kwargs: Any) -> None:
         env = DistEnv.from_environ()
@@ -52,10 +55,17 @@ class SweepSummary(Callback):
         failure = None if job_return.status == JobStatus.COMPLETED else job_return._return_value
         _add_row(summary_row(config.hydra.job.num, job_return.overrides, config, job_dir, failure), Path(config.hydra.sweep.dir),
                  config)
-        if isinstance(failure, ONE_LINE_ERRORS) and config.hydra.sweeper._target_ == BASIC_SWEEPER:
+        sweeper = config.hydra.sweeper._target_
+        if isinstance(failure, ONE_LINE_ERRORS) and sweeper == BASIC_SWEEPER:
             # the basic sweeper only raises a failed job's error, and uses no job's value
             job_return.status, job_return.return_value = JobStatus.COMPLETED, None
-            _failed_in_one_line.append(config.hydra.job.num)
+            _failed.append(config.hydra.job.num)
+        elif isinstance(failure, Exception) and sweeper == OPTUNA_SWEEPER:  # a stop (Interrupted) still ends the search
+            # each read of a failed job's value prints Hydra's `Error executing job`, and Optuna reads it thrice; a
+            # value that is no number fails the trial, with this in Optuna's line
+            job_return.status = JobStatus.COMPLETED
+            job_return.return_value = f"job {config.hydra.job.num} failed: {type(failure).__name__}: {failure}"
+            _failed.append(config.hydra.job.num)
 
     def on_multirun_start(self, config: DictConfig, **kwargs: Any) -> None:
         if "submitit" in config.hydra.launcher._target_:
@@ -66,7 +76,7 @@ class SweepSummary(Callback):
         if "submitit" in config.hydra.launcher._target_:
             summarise_job_dirs(Path(config.hydra.sweep.dir))
         print_summary()
-        if _failed_in_one_line:
+        if _failed:
             sys.exit(1)
 
 
