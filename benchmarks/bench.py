@@ -3,7 +3,10 @@ identical work, side by side in one run; then the data path (benchmarks/data_pat
 images/s with per-sample seeding against without, and a resume's launch-to-first-update at 10% and at
 90% of an epoch, on JPEGs; then memory and scale (benchmarks/memory_scale.py): a ViT's per-rank state
 under ddp, fsdp and hsdp, its saves' time in the loop, sync and async, and what activation
-checkpointing keeps for the backward and costs.
+checkpointing keeps for the backward and costs; then integrity checks (benchmarks/integrity.py): a checkpoint's
+load with and without verification, a shard's download with and without its digest; then the shard readers
+(benchmarks/shard_readers.py): one epoch over HTTP, cold cache, data=webdataset's reader and cache against
+webdataset's wids.
 
 Every contender trains the same model on the same synthetic 3x32x32 data with Adam, batch 32 per
 process, one thread per process on CPU. The contenders run interleaved (A B C ... A B C ...),
@@ -35,7 +38,9 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).parent))
 import data_path  # noqa: E402 (benchmarks/ is no package)
+import integrity  # noqa: E402
 import memory_scale  # noqa: E402
+import shard_readers  # noqa: E402
 
 REPO = Path(__file__).resolve().parents[1]
 TORCHRUN = Path(sys.executable).with_name("torchrun")
@@ -295,8 +300,19 @@ def main() -> None:
         scale = memory_scale.scale_runs(scale_settings, Path(scratch))
         print("bench: memory and scale: activation checkpointing, in this process", flush=True)
         scale_lines, scale_rows = memory_scale.report(scale, memory_scale.activation_memory(scale_settings), scale_settings)
+        integrity_settings = integrity.INTEGRITY_QUICK if quick else integrity.INTEGRITY_FULL
+        checks = integrity.integrity_runs(integrity_settings, Path(scratch))
+        readers_settings = shard_readers.READERS_QUICK if quick else shard_readers.READERS_FULL
+        readers = shard_readers.reader_runs(readers_settings, Path(scratch)) if shard_readers.WIDS else None
     data_lines, data_rows = data_path.report(seeding, resumes, pipeline, data_settings)
-    table = report(chosen, settings, quick, data_lines + scale_lines, data_rows + scale_rows)
+    integrity_lines, integrity_rows = integrity.report(*checks, integrity_settings)
+    if readers is not None:
+        readers_lines, readers_rows = shard_readers.report(*readers, readers_settings)
+    else:
+        readers_lines, readers_rows = ["", "Shard readers skipped: wids is not installed (the optional extra: pip install -e '.[bench]', "
+                                       "which make bench installs)."], []
+    table = report(chosen, settings, quick, data_lines + scale_lines + integrity_lines + readers_lines,
+                   data_rows + scale_rows + integrity_rows + readers_rows)
     args.out.mkdir(parents=True, exist_ok=True)
     stem = args.out / f"{socket.gethostname()}-{date.today()}{'-quick' if quick else ''}"
     Path(f"{stem}.md").write_text(table + f"\n![throughput]({stem.name}.png)\n")

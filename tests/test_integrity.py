@@ -163,16 +163,23 @@ def test_a_corrupt_resume_file_on_the_command_line_is_one_error_line_and_leaves_
     assert not (tmp_path / "outputs").exists() or not any((tmp_path / "outputs").iterdir())
 
 
-# Counts the opens of one file (Python's audit events, which every open raises) while running train.py's command line,
-# or one load_checkpoint of the file, and writes the count at exit.
+# Counts the opens of one file and the processes started with it as an argument (Python's audit events, which every
+# open and every subprocess raise: the reads, and the checkers that verify it) while running train.py's command line,
+# or one load_checkpoint of the file, and writes both counts at exit.
 COUNT_OPENS = """
 import atexit, os, runpy, sys
 from pathlib import Path
 target, out, what = sys.argv[1], sys.argv[2], sys.argv[3]
-opens = []
-sys.addaudithook(lambda event, args: event == "open" and isinstance(args[0], str) and os.path.abspath(args[0]) == target
-                 and opens.append(args[0]))
-atexit.register(lambda: Path(out).write_text(str(len(opens))))
+seen = {"open": 0, "subprocess.Popen": 0}
+
+def count(event, args):
+    if event == "open" and isinstance(args[0], str) and os.path.abspath(args[0]) == target:
+        seen[event] += 1
+    elif event == "subprocess.Popen" and target in map(str, args[1]):
+        seen[event] += 1
+
+sys.addaudithook(count)
+atexit.register(lambda: Path(out).write_text(f"{seen['open']} {seen['subprocess.Popen']}"))
 if what == "load":
     from ddp.checkpoints.checkpoint import load_checkpoint
     load_checkpoint(Path(target))
@@ -183,19 +190,18 @@ else:
 
 
 def test_mode_eval_reads_its_checkpoint_once(stopped_at_step_10, tmp_path):
-    """mode=eval takes the checkpoint's task and then its weights: from one read of the file (with its verification),
-    as many opens as one load_checkpoint makes, not two reads."""
+    """mode=eval takes the checkpoint's task and then its weights: from one read of the file and one verification
+    (its checker process), as one load_checkpoint makes, not two."""
     checkpoint = str(stopped_at_step_10 / "checkpoints" / "step-00000010.pt")
 
-    def opens(*args: str) -> int:
-        result = subprocess.run([sys.executable, "-c", COUNT_OPENS, checkpoint, str(tmp_path / "opens"), *args], cwd=REPO,
+    def reads_and_checks(*args: str) -> list[int]:
+        result = subprocess.run([sys.executable, "-c", COUNT_OPENS, checkpoint, str(tmp_path / "counts"), *args], cwd=REPO,
                                 capture_output=True, text=True, timeout=300)
         assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
-        return int((tmp_path / "opens").read_text())
+        return [int(count) for count in (tmp_path / "counts").read_text().split()]
 
-    one_load = opens("load")
-    assert one_load >= 2  # torch.load's, and the verification's
-    assert opens("eval", *EXACT_SINGLE, "mode=eval", f"resume={checkpoint}", f"hydra.run.dir={tmp_path}/eval") == one_load
+    assert reads_and_checks("load") == [1, 1]  # torch.load's open, and the checker beside it
+    assert reads_and_checks("eval", *EXACT_SINGLE, "mode=eval", f"resume={checkpoint}", f"hydra.run.dir={tmp_path}/eval") == [1, 1]
 
 
 def test_the_verify_command_names_each_checkpoint_and_fails_on_a_corrupt_one(stopped_at_step_10, tmp_path):

@@ -8,15 +8,17 @@ import logging
 import os
 import pickle
 import shutil
+import subprocess
+import sys
 import tempfile
-import threading
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 import torch
 
-from ddp.checkpoints.verify import Corrupt, verify
+from ddp.checkpoints import verify as verify_module
+from ddp.checkpoints.verify import VERDICT, Corrupt, verify
 
 log = logging.getLogger(__name__)
 
@@ -176,30 +178,34 @@ def load_checkpoint(path: Path) -> dict[str, Any]:
 
 
 def _load_verified(path: Path) -> dict[str, Any]:
-    """A checkpoint file loaded while a thread verifies it: zlib's CRC releases the GIL, so the check runs beside
-    torch.load and adds little to the load's time (make bench's integrity row). Loading an unchecked file is safe
-    (weights_only runs no code); what it loaded is returned only once the check passed, and a corrupt file is
+    """A checkpoint file loaded while a process of its own verifies it (verify.py, stdlib alone: it starts in
+    milliseconds, and shares no GIL with torch.load, which holds it while it reads each record), so that the check
+    adds little to the load's time where a core is free (make bench's integrity row). Loading an unchecked file is
+    safe (weights_only runs no code); what it loaded is returned only once the check passed, and a corrupt file is
     named corrupt even where torch.load failed on it first."""
-    verdict: list[bool | BaseException] = []
-
-    def check() -> None:
-        try:
-            verdict.append(verify(path))
-        except BaseException as error:  # Corrupt, or an error reading the file: judged below
-            verdict.append(error)
-
-    checker = threading.Thread(target=check, name="verify-checkpoint", daemon=True)
-    checker.start()
+    checker = subprocess.Popen([sys.executable, "-I", verify_module.__file__, VERDICT, str(path)],
+                               stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)
     try:
         state = _load_file(path)
     except BaseException:
-        checker.join()
-        if isinstance(verdict[0], Corrupt):
-            _judge(path, verdict[0])  # corrupt, rather than unreadable
+        if isinstance(verdict := _verdict_of(checker, path), Corrupt):
+            _judge(path, verdict)  # corrupt, rather than unreadable
         raise
-    checker.join()
-    _judge(path, verdict[0])
+    _judge(path, _verdict_of(checker, path))
     return state
+
+
+def _verdict_of(checker: subprocess.Popen, path: Path) -> bool | Corrupt:
+    """The checker's verdict; where it couldn't give one (no interpreter to start, killed), this process checks."""
+    line = checker.communicate()[0].strip()
+    if checker.returncode == 0 and line in ("good", "unverified"):
+        return line == "good"
+    if checker.returncode == 0 and line.startswith("corrupt "):
+        return Corrupt(line.removeprefix("corrupt "))
+    try:
+        return verify(path)
+    except Corrupt as error:
+        return error
 
 
 def verify_checkpoint(path: Path) -> None:
@@ -212,11 +218,9 @@ def verify_checkpoint(path: Path) -> None:
     _judge(path, verdict)
 
 
-def _judge(path: Path, verdict: bool | BaseException) -> None:
+def _judge(path: Path, verdict: bool | Corrupt) -> None:
     if isinstance(verdict, Corrupt):
         raise CheckpointError(f"{path}: corrupt, {verdict}: its bytes changed after it was saved") from None
-    if isinstance(verdict, BaseException):
-        raise verdict
     if not verdict:
         log.info("%s carries no digest, so it loads unverified (saved with torch's CRCs off, a sharded checkpoint "
                  "saved before digests, or another format)", path)
