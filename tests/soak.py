@@ -85,7 +85,8 @@ def run_with_faults(args: list[str], faults: list[dict], workdir: Path) -> tuple
         while True:
             stops_before = sum(fault["kind"] == "stop" for fault in thrown(plan))
             resume = [f"resume={run_dir}"] if launches else []
-            returncode = torchrun([*args, f"hydra.run.dir={run_dir}", f"fault.plan={plan}", *resume], workdir, len(faults), log)
+            # a restart per fault, and as many to spare (a restart that fails to start, on a loaded machine)
+            returncode = torchrun([*args, f"hydra.run.dir={run_dir}", f"fault.plan={plan}", *resume], workdir, 2 * len(faults) + 2, log)
             launches += 1
             if returncode == 0:
                 return run_dir, launches

@@ -305,9 +305,9 @@ def test_a_slurm_job_with_a_bad_override_fails_with_its_error_in_its_log(slurm_s
     assert run["returncode"] != 0, run["output"][-6000:]
     assert "ConfigError: data.batch_size=0" in run["output"]
     (job_1,) = [job for job in run["job_ids"] if job.endswith("_1")]
-    for task in (0, 1):
-        log = (sweep_dir / ".submitit" / job_1 / f"{job_1}_{task}_log.err").read_text()
-        assert BAD_BATCH in log.splitlines() and "Traceback" not in log, log
+    logs = [(sweep_dir / ".submitit" / job_1 / f"{job_1}_{task}_log.err").read_text() for task in (0, 1)]
+    assert BAD_BATCH in logs[0].splitlines() and "Traceback" not in logs[0], logs[0]
+    assert not [line for line in logs[1].splitlines() if line.startswith("error:")], logs[1]  # a refusal every task meets: once
     (job_dir,) = sweep_dir.glob("1_*")
     assert not (job_dir / "checkpoints").exists() and not list(job_dir.glob("events.out.tfevents.*"))
     assert summary(sweep_dir)["1"].startswith("failed")

@@ -122,15 +122,16 @@ def end_failed_job(error: BaseException, hydra_cfg, cfg, env: DistEnv) -> BaseEx
     return error
 
 
-# --- a refused launch under torchrun: one line, one rank undoes it --------------------------------
+# --- a refused launch under torchrun or submitit: one line, one rank undoes it ------------------------
 
 def _startup_outcome_key(run_dir: Path, rank: int) -> str:
     return f"startup/{run_dir.name}/attempt{os.environ.get('TORCHELASTIC_RESTART_COUNT', '0')}/rank{rank}"
 
 
 def _compares_startup_outcomes(env: DistEnv) -> bool:
-    """torchrun's ranks that run Hydra's job (self-launched workers hand a refusal to their launcher, which prints it)."""
-    return env.launcher == "torchrun" and HydraConfig.initialized() and shared_by_the_launch()
+    """torchrun's ranks and a submitit job's tasks that run Hydra's job (self-launched workers hand a refusal to their
+    launcher, which prints it)."""
+    return env.launcher in ("torchrun", "submitit") and HydraConfig.initialized() and shared_by_the_launch()
 
 
 def startup_passed(run_dir: Path) -> None:

@@ -1,7 +1,8 @@
 """Values that every process of one launch agrees on: all its ranks, and their torchrun restarts.
 
 The first process to ask computes the value; the others read it, from torchrun's own store when
-torchrun shares it with the workers, else from a claim file under `outputs/.launches/<run id>/`.
+torchrun shares it with the workers, else from a claim file under `outputs/.launches/<run id>/` (the tasks
+of a submitit job: under its job folder, which they share as they share their logs; `publish` and `wait_for`).
 Claim files record the launch's torchrun agents, so the claims of a launch that failed for good can
 be pruned once all of its agents have provably ended.
 """
@@ -114,20 +115,22 @@ def publish(key: str, value: str) -> None:
         store.set(f"hydra_ddp/{key}", value)
     elif _run_id() is not None:
         _write_atomically(_claims_dir() / key, value)
+    elif (folder := _job_folder()) is not None:
+        _write_atomically(folder / key, value)
 
 
 def wait_for(key: str) -> str:
     store = _agent_store()
     if store is not None:
         return store.get(f"hydra_ddp/{key}").decode()
-    return _wait_for_claim(_claims_dir() / key)
+    return _wait_for_claim((_job_folder() if _run_id() is None else _claims_dir()) / key)
 
 
 def wait_at_most(key: str, timeout_s: float) -> str | None:
     """wait_for, but None once `timeout_s` has passed without the value."""
     store = _agent_store()
     if store is None:
-        return _read_when_written(_claims_dir() / key, timeout_s)
+        return _read_when_written((_job_folder() if _run_id() is None else _claims_dir()) / key, timeout_s)
     try:
         store.wait([f"hydra_ddp/{key}"], timedelta(seconds=timeout_s))
     except DistStoreError:
@@ -136,9 +139,20 @@ def wait_at_most(key: str, timeout_s: float) -> str | None:
 
 
 def shared_by_the_launch() -> bool:
-    """Whether publish and wait_for reach every process of this launch: torchrun's shared store, or claim
-    files under its run id (not in a plain process, or under static rendezvous without the shared store)."""
-    return _agent_store() is not None or _run_id() not in (None, "none")
+    """Whether publish and wait_for reach every process of this launch: torchrun's shared store, claim files
+    under its run id, or a submitit job's folder (not in a plain process, or under static rendezvous without the
+    shared store)."""
+    return _agent_store() is not None or _run_id() not in (None, "none") or _job_folder() is not None
+
+
+def _job_folder() -> Path | None:
+    """A submitit task's (not under torchrun): its job's folder, which the job's tasks share as they share their
+    logs, with a folder per SLURM attempt (a requeued job runs again under the same job id)."""
+    if _run_id() is not None or "SUBMITIT_FOLDER" not in os.environ:
+        return None
+    from submitit import JobEnvironment  # only in submitit tasks
+
+    return Path(JobEnvironment().paths.folder) / "agreed" / f"attempt{os.environ.get('SLURM_RESTART_COUNT', '0')}"
 
 
 def _write_atomically(path: Path, text: str) -> None:
