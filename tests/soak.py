@@ -23,10 +23,12 @@ from pathlib import Path
 
 import torch
 
+from ddp.training.faults import FaultPlan
+
 REPO = Path(__file__).resolve().parents[1]
 TRAIN = REPO / "train.py"
 TORCHRUN = Path(sys.executable).with_name("torchrun")
-KINDS = ("kill_rank", "kill_worker", "kill_in_save", "stop", "corrupt")
+KINDS = FaultPlan.KINDS
 # The run: augmentation in 2 loader workers per rank, dropout, a shuffled sampler, a checkpoint every 3 steps.
 RUN = ["strategy=ddp", "data=synthetic", "data.num_samples=128", "data.num_val_samples=37", "data.image_size=8",
        "data.batch_size=8", "model.channels=[8,16]", "model.dropout=0.3", "data.augment=true", "data.num_workers=2",

@@ -82,7 +82,6 @@ class FaultPlan:
     KINDS = ("kill_rank", "kill_worker", "kill_in_save", "stop", "corrupt")
 
     def __init__(self, path: str, rank: int):
-        self.rank = rank
         self.journal = Path(f"{path}.thrown")
         thrown = {json.loads(line)["id"] for line in self.journal.read_text().splitlines()} if self.journal.exists() else set()
         faults = [dict(fault, id=index) for index, fault in enumerate(json.loads(Path(path).read_text()))]
@@ -93,8 +92,8 @@ class FaultPlan:
         return cls(fault_cfg.plan, rank) if fault_cfg.plan else None
 
     def at_step(self, step: int) -> None:
-        """Throws this rank's faults due at `step`, in the plan's order, until one ends the process (a save's wait for
-        the save)."""
+        """Throws this rank's faults due at `step` (the saves' wait for a save), in the plan's order, until one ends the
+        process."""
         for fault in [fault for fault in self.left if fault["step"] <= step and fault["kind"] in ("kill_rank", "kill_worker", "stop")]:
             kind = fault["kind"]
             if kind == "kill_rank":
