@@ -276,14 +276,14 @@ def test_the_trackers_process_imports_mlflow_and_its_store_and_nothing_else_it_w
     store = tmp_path / "mlflow.db"
     code = ("import os, sys\n"
             "from pathlib import Path\n"
-            "import torch\n"
+            "import numpy, torch\n"
             "from ddp.reporting.tracker_process import TrackerProcess\n"
             "from ddp.reporting.trackers import TrackedRun\n"
             "os.environ['PYTHONVERBOSE'] = '1'  # read by the process it starts; this one's imports are done\n"
             "logger = {'tensorboard': {}, 'mlflow': {'tracking_uri': sys.argv[1], 'experiment': None}, 'wandb': None}\n"
             "trackers = TrackerProcess(lambda: (logger, TrackedRun(Path.cwd(), {'optim.lr': '0.1'}, None, []), []))\n"
             "trackers.add_scalar('train/loss', 0.5, 1)\n"
-            "trackers.add_image('val/samples', torch.zeros(3, 8, 8), 1)\n"
+            "trackers.add_image('val/samples', numpy.zeros((8, 8, 3), numpy.uint8), 1)  # as RankZeroWriter sends it\n"
             "trackers.commit()\n"
             "trackers.close(failed=False)\n")
     done = subprocess.run([sys.executable, "-c", code, f"sqlite:///{store}"], cwd=tmp_path, capture_output=True, text=True,
@@ -501,6 +501,60 @@ def test_a_continued_run_sends_a_tracker_the_journaled_points_it_missed(runs, tm
 
 
 # --- images ----------------------------------------------------------------------------------------------
+
+def test_a_continued_run_sends_the_trackers_the_journaled_images_they_missed(runs, tmp_path):
+    """An attempt logs a validation's image grid at steps 2, 3 and 5, its trackers gone after step 2 (as killed
+    with the image still queued); the next attempt, resumed from step 5's checkpoint, sends MLflow and W&B the
+    journaled image of step 3, pixel for pixel, at its step and after its step's scalars, and not that of step 5,
+    which it computes again: its PNG is gone from the run dir."""
+    import numpy
+    import torch
+    from PIL import Image
+
+    from ddp.distributed.env import DistEnv
+    from ddp.reporting.rank_zero import RankZeroWriter
+    from ddp.reporting.trackers import JOURNAL_IMAGES, PointJournal, TrackedRun, open_trackers
+
+    logger = OmegaConf.create({"mlflow": {"tracking_uri": f"sqlite:///{runs['cwd'] / 'outputs' / 'mlflow.db'}",
+                                          "experiment": "journaled-images"},
+                               "wandb": {"project": "journaled-images", "entity": None, "mode": "offline"}})
+    run, rank_zero = TrackedRun(tmp_path, {}, None, []), DistEnv(rank=0, world_size=1)
+    grids = {step: torch.rand(3, 10, 14, generator=torch.Generator().manual_seed(step)) for step in (2, 3, 5)}
+
+    def attempt(purge_step: int | None) -> RankZeroWriter:
+        journal = PointJournal(tmp_path, purge_step)
+        trackers = open_trackers(logger, run, journal.earlier)
+        return RankZeroWriter(tmp_path, rank_zero, tensorboard=False, trackers=trackers, journal=journal)
+
+    with attempt(purge_step=None) as writer:
+        trackers = list(writer.trackers)
+        for step in range(1, 6):
+            if step == 3:
+                writer.trackers = []
+            writer.add_scalar("train/loss", step / 10, step)
+            writer.commit()
+            if step in grids:
+                writer.add_image("val/images", grids[step], step)
+    for tracker in trackers:
+        tracker.close(failed=True)
+    with attempt(purge_step=5):
+        pass
+    assert sorted(p.name for p in (tmp_path / JOURNAL_IMAGES).rglob("*.png")) == ["step_00000002.png", "step_00000003.png"]
+    pixels = {step: (grids[step] * 255).round().byte().permute(1, 2, 0).numpy() for step in (2, 3)}
+    state = json.loads((tmp_path / "trackers.json").read_text())
+    client = _client(runs["cwd"])
+    assert [a.path for a in client.list_artifacts(state["mlflow"]["run_id"], "val/images")] == [
+        "val/images/step_00000002.png", "val/images/step_00000003.png"]
+    for step in (2, 3):
+        sent = client.download_artifacts(state["mlflow"]["run_id"], f"val/images/step_{step:08d}.png", str(tmp_path))
+        assert numpy.array_equal(numpy.asarray(Image.open(sent)), pixels[step])
+    first, second = sorted(tmp_path.glob(f"wandb/offline-run-*/run-{state['wandb']['id']}.wandb"))
+    _, history, steps = wandb_history(tmp_path)
+    assert steps == [1, 2, 3, 4] and history["train/loss"] == {step: step / 10 for step in range(1, 5)}
+    assert sorted(history["val/images/path"]) == [2, 3]
+    image = second.parent / "files" / history["val/images/path"][3]
+    assert numpy.array_equal(numpy.asarray(Image.open(image).convert("RGB")), pixels[3])
+
 
 def test_segmentations_image_grid_goes_to_mlflow_and_wandb(runs, tmp_path):
     """task=segmentation's validation grid (the writer's add_image): an MLflow artifact and a W&B image, at its step."""

@@ -88,11 +88,17 @@ class RankZeroWriter:
             self._to_trackers("commit")
 
     def add_image(self, tag: str, image, step: int) -> None:
-        """`image`: 3 x H x W, floats in [0, 1] (SummaryWriter.add_image's default CHW)."""
+        """`image`: a 3 x H x W tensor, floats in [0, 1] (SummaryWriter.add_image's default CHW). The trackers get
+        it as bytes, H x W x 3, journaled first, after the points added before it."""
         if self.writer is not None:
             self.writer.add_image(tag, image, step)
-        if self.trackers:
-            self._to_trackers("add_image", tag, image, step)
+        if self.journal is None and not self.trackers:
+            return
+        self.commit()
+        pixels = (image.detach() * 255).round().clamp(0, 255).byte().permute(1, 2, 0).cpu().numpy()
+        if self.journal is not None:
+            self.journal.append_image(tag, pixels, step)
+        self._to_trackers("add_image", tag, pixels, step)
 
     def add_hparams(self, hparam_dict: dict[str, Any], metric_dict: dict[str, float], step: int) -> None:
         """Written into this run's own event dir, unlike SummaryWriter.add_hparams, which opens a

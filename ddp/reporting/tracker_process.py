@@ -97,7 +97,8 @@ class TrackerProcess:
         self.calls.put(("commit", ()))
 
     def add_image(self, tag: str, image, step: int) -> None:
-        self.calls.put(("add_image", (tag, image.detach().to("cpu", copy=True).numpy(), step)))
+        """`image`: H x W x 3 bytes, a numpy array (RankZeroWriter's): a tensor would import torch in the process."""
+        self.calls.put(("add_image", (tag, image, step)))
 
     def add_params(self, params: dict[str, Any]) -> None:
         self.calls.put(("add_params", (dict(params),)))

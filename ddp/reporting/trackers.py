@@ -40,6 +40,7 @@ log = logging.getLogger("train")
 TRACKERS = ("mlflow", "wandb")  # logger options besides tensorboard
 STATE_FILE = "trackers.json"  # in the run dir: each tracker's run id
 JOURNAL_FILE = "tracker_points.jsonl"  # in the run dir: every point sent to the trackers (PointJournal)
+JOURNAL_IMAGES = "tracker_images"  # in the run dir: the journaled images, a PNG each (PointJournal)
 LOCAL_MLFLOW_STORE = Path("outputs") / "mlflow.db"  # beside the run dirs; `make mlflow-ui` serves it
 # what MLflow imports whenever it is installed, for its datasets and model signatures, which a tracker doesn't use
 MLFLOW_UNUSED_IMPORTS = ("pandas", "pyarrow", "scipy")
@@ -136,28 +137,44 @@ class PointJournal:
     run dir's next attempt sends a tracker the points it missed: those of a tracking server down for a while,
     or those that W&B's service had not written when SLURM's SIGTERM, sent to every process of the job,
     killed it. A resumed run keeps the points before its checkpoint (`purge_step`); it computes the later
-    ones again."""
+    ones again. An image is a PNG in <run dir>/tracker_images/, its line `[tag, {"image": <its path>}, step]`."""
 
     def __init__(self, run_dir: Path, purge_step: int | None):
-        self.path = run_dir / JOURNAL_FILE
-        self.earlier: list[tuple[str, float, int]] = []  # the earlier attempts' points, before the checkpoint
+        self.run_dir, self.path = run_dir, run_dir / JOURNAL_FILE
+        self.earlier: list[tuple[str, Any, int]] = []  # the earlier attempts' points, before the checkpoint
         if purge_step is not None and self.path.exists():
             points = (_journal_point(line) for line in self.path.read_text().splitlines())
             self.earlier = [point for point in points if point is not None and point[2] < purge_step]
         tmp = self.path.with_name(f".{JOURNAL_FILE}.tmp")
         tmp.write_text("".join(json.dumps(point) + "\n" for point in self.earlier))
         os.replace(tmp, self.path)
+        kept = {run_dir / value["image"] for _, value, _ in self.earlier if isinstance(value, dict)}
+        for image in (run_dir / JOURNAL_IMAGES).rglob("*.png"):  # the later steps' images: computed again
+            if image not in kept:
+                image.unlink()
         self.file = open(self.path, "a")
 
-    def append(self, points: list[tuple[str, float, int]]) -> None:
+    def append(self, points: list[tuple[str, Any, int]]) -> None:
         self.file.write("".join(json.dumps(point) + "\n" for point in points))
         self.file.flush()
+
+    def append_image(self, tag: str, pixels: numpy.ndarray, step: int) -> None:
+        """`pixels`: H x W x 3 bytes. Its PNG is written whole (a temporary file renamed) before its line."""
+        from PIL import Image
+
+        relative = Path(JOURNAL_IMAGES, tag, f"step_{step:08d}.png")
+        path = self.run_dir / relative
+        path.parent.mkdir(parents=True, exist_ok=True)
+        tmp = path.with_name(f".{path.name}.tmp")
+        Image.fromarray(pixels).save(tmp, format="PNG")
+        os.replace(tmp, path)
+        self.append([(tag, {"image": str(relative)}, step)])
 
     def close(self) -> None:
         self.file.close()
 
 
-def _journal_point(line: str) -> tuple[str, float, int] | None:
+def _journal_point(line: str) -> tuple[str, Any, int] | None:
     """A journal line; None for a last line cut short by a kill."""
     try:
         tag, value, step = json.loads(line)
@@ -166,17 +183,23 @@ def _journal_point(line: str) -> tuple[str, float, int] | None:
     return tag, value, step
 
 
-def open_trackers(logger_cfg: Mapping[str, Any], run: TrackedRun, earlier_points: list[tuple[str, float, int]]) -> list:
+def open_trackers(logger_cfg: Mapping[str, Any], run: TrackedRun, earlier_points: list[tuple[str, Any, int]]) -> list:
     """Rank 0's trackers, each continuing the run dir's earlier tracker run if it has one, and sent the
-    `earlier_points` (the journal's) that it lacks. One that can't start is named in one line and left
-    out: the training doesn't depend on it."""
+    `earlier_points` (the journal's, images too) that it lacks. One that can't start is named in one line and
+    left out: the training doesn't depend on it."""
+    from PIL import Image
+
     kinds, trackers = {"mlflow": MLflowTracker, "wandb": WandbTracker}, []
     for name in picked(logger_cfg):
         if name in kinds:
             try:
                 tracker = kinds[name](logger_cfg[name], run)
-                for point in earlier_points:
-                    tracker.add_scalar(*point)
+                for tag, value, step in earlier_points:
+                    if isinstance(value, dict):  # an image: sent after the points before it, as it was
+                        tracker.commit()
+                        tracker.add_image(tag, numpy.asarray(Image.open(run.run_dir / value["image"])), step)
+                    else:
+                        tracker.add_scalar(tag, value, step)
                 tracker.commit()
                 trackers.append(tracker)
             except Exception as error:
@@ -209,8 +232,8 @@ class Tracker:
     def send(self, points: list[tuple[str, float, int]]) -> None:
         raise NotImplementedError
 
-    def add_image(self, tag: str, image, step: int) -> None:
-        """`image`: 3 x H x W floats in [0, 1], an array or a CPU tensor."""
+    def add_image(self, tag: str, image: numpy.ndarray, step: int) -> None:
+        """`image`: H x W x 3 bytes, sent at once (after a commit of the points before it)."""
 
     def add_params(self, params: dict[str, Any]) -> None:
         """The hparams (TensorBoard's HParams row); the config's are given at start."""
@@ -281,6 +304,7 @@ class MLflowTracker(Tracker):
     def _start_run(self, cfg: Mapping[str, Any], run: TrackedRun) -> None:
         """Continues the run dir's MLflow run (reading the last step of each of its metrics), or starts one."""
         self.last_steps: dict[str, int] = {}  # per metric, the last step the run has (a continued run's)
+        self.images: dict[str, set[str]] = {}  # per image tag, the artifacts the run has, listed at its first image
         saved = read_state(run.run_dir).get(self.name)
         if saved and saved["tracking_uri"] == self.uri:
             self.run_id = saved["run_id"]
@@ -339,8 +363,14 @@ class MLflowTracker(Tracker):
         for start in range(0, len(metrics), 1000):
             self.client.log_batch(self.run_id, metrics=metrics[start:start + 1000])
 
-    def add_image(self, tag: str, image, step: int) -> None:
-        self.client.log_image(self.run_id, numpy.asarray(image).transpose(1, 2, 0), artifact_file=f"{tag}/step_{step:08d}.png")
+    def add_image(self, tag: str, image: numpy.ndarray, step: int) -> None:
+        """Skipped where the run has it (a continued run's journaled image): one listing of the run's images per tag."""
+        if tag not in self.images:
+            self.images[tag] = {info.path for info in self.client.list_artifacts(self.run_id, tag)}
+        artifact = f"{tag}/step_{step:08d}.png"
+        if artifact not in self.images[tag]:
+            self.client.log_image(self.run_id, image, artifact_file=artifact)
+            self.images[tag].add(artifact)
 
     def end(self, failed: bool) -> None:
         self.client.set_terminated(self.run_id, status="FAILED" if failed else "FINISHED")
@@ -380,11 +410,11 @@ class WandbTracker(Tracker):
         for step in sorted(rows):
             self.wandb_run.log(rows[step], step=step)
 
-    def add_image(self, tag: str, image, step: int) -> None:
+    def add_image(self, tag: str, image: numpy.ndarray, step: int) -> None:
         import wandb
 
         if not self.has(tag, step):
-            self.wandb_run.log({tag: wandb.Image(numpy.asarray(image).transpose(1, 2, 0))}, step=step)
+            self.wandb_run.log({tag: wandb.Image(image)}, step=step)
 
     def add_params(self, params: dict[str, Any]) -> None:
         self.wandb_run.config.update({f"hparams/{key}": value for key, value in params.items()}, allow_val_change=True)
