@@ -83,7 +83,7 @@ bench: $(call installed,$(BENCH_EXTRAS)) ## train.py against a plain hand-writte
 MLFLOW_STORE ?= outputs/mlflow.db
 MLFLOW_PORT ?= 5000
 mlflow-ui: $(call installed,mlflow) ## Serve the runs of logger=mlflow (outputs/mlflow.db) on http://127.0.0.1:5000
-	$(VENV)/bin/mlflow ui --backend-store-uri sqlite:///$(abspath $(MLFLOW_STORE)) --host 127.0.0.1 --port $(MLFLOW_PORT)
+	$(VENV)/bin/mlflow ui --backend-store-uri sqlite:///$(abspath $(MLFLOW_STORE)) --host 127.0.0.1 --port $(MLFLOW_PORT) --workers 1
 
 export: $(call installed) ## A sharded (strategy=fsdp) checkpoint as one plain state_dict: make export CKPT=<run dir>/checkpoints/step-N writes <dir>/model.pt
 	$(PY) -m ddp.checkpoints.export $(CKPT)

@@ -76,22 +76,7 @@ class Checkpointer:
         check_frozen_unchanged(self.update.task, self.frozen, step)  # what the checkpoint records is true
         rank_states = gather_rank_states(capture_rank_state(position.epoch_totals, self.cuda_devices))
         kept_best = self.best.kept_steps() if self.env.is_main and self.best.save_step == step else None
-        write: Callable[[], Path] | None = None
-        if is_sharded(self.raw_model):
-            from ddp.checkpoints.sharded_checkpoint import save_sharded_checkpoint  # DCP, imported where it's used (ddp/distributed/fsdp.py)
-
-            state = self.state(position, rank_states, sharded=True) if self.env.is_main else {}
-            write = save_sharded_checkpoint(self.raw_model, self.optimizer, state, self.run_dir, step, self.keep_last,
-                                            group=self.save_group)
-        elif self.env.is_main:
-            state = self.state(position, rank_states)
-
-            def write() -> Path:
-                in_save = self.fault_plan and (lambda: self.fault_plan.in_save(step))  # fault.plan's kill_in_save
-                path = save_step_checkpoint(state, self.run_dir, step, self.keep_last, before_publish=in_save)
-                if self.fault_plan:
-                    self.fault_plan.after_save(step, path)  # fault.plan's corrupt
-                return path
+        write = self._writer(position, rank_states)
 
         def write_and_keep() -> None:
             path = write()
@@ -104,6 +89,29 @@ class Checkpointer:
             self._agree_on(self._run(write_and_keep) if write else None)
         self.saved_step = step
         self.blocked_s.append(time.perf_counter() - started)
+
+    def _writer(self, position: Position, rank_states: list[dict]) -> Callable[[], Path] | None:
+        """What writes this rank's part of the checkpoint of `position`: every rank's shards of a sharded model, rank 0's
+        file otherwise; None on a rank that writes nothing."""
+        step = position.global_step
+        if is_sharded(self.raw_model):
+            from ddp.checkpoints.sharded_checkpoint import save_sharded_checkpoint  # DCP, imported where it's used (ddp/distributed/fsdp.py)
+
+            state = self.state(position, rank_states, sharded=True) if self.env.is_main else {}
+            return save_sharded_checkpoint(self.raw_model, self.optimizer, state, self.run_dir, step, self.keep_last,
+                                           group=self.save_group)
+        if not self.env.is_main:
+            return None
+        state = self.state(position, rank_states)
+
+        def write() -> Path:
+            in_save = self.fault_plan and (lambda: self.fault_plan.in_save(step))  # fault.plan's kill_in_save
+            path = save_step_checkpoint(state, self.run_dir, step, self.keep_last, before_publish=in_save)
+            if self.fault_plan:
+                self.fault_plan.after_save(step, path)  # fault.plan's corrupt
+            return path
+
+        return write
 
     def _start_writer(self, write: Callable[[], None] | None, step: int) -> tuple[int, threading.Thread, list]:
         """A thread runs `write` (rank 0's, or every rank's under fsdp; None on the other ranks), its error kept for

@@ -113,9 +113,7 @@ def publish(key: str, value: str) -> None:
     store = _agent_store()
     if store is not None:
         store.set(f"hydra_ddp/{key}", value)
-    elif _run_id() is not None:
-        _write_atomically(_claims_dir() / key, value)
-    elif (folder := _job_folder()) is not None:
+    elif (folder := _shared_folder()) is not None:
         _write_atomically(folder / key, value)
 
 
@@ -123,14 +121,14 @@ def wait_for(key: str) -> str:
     store = _agent_store()
     if store is not None:
         return store.get(f"hydra_ddp/{key}").decode()
-    return _wait_for_claim((_job_folder() if _run_id() is None else _claims_dir()) / key)
+    return _wait_for_claim(_shared_folder() / key)
 
 
 def wait_at_most(key: str, timeout_s: float) -> str | None:
     """wait_for, but None once `timeout_s` has passed without the value."""
     store = _agent_store()
     if store is None:
-        return _read_when_written((_job_folder() if _run_id() is None else _claims_dir()) / key, timeout_s)
+        return _read_when_written(_shared_folder() / key, timeout_s)
     try:
         store.wait([f"hydra_ddp/{key}"], timedelta(seconds=timeout_s))
     except DistStoreError:
@@ -143,6 +141,12 @@ def shared_by_the_launch() -> bool:
     under its run id, or a submitit job's folder (not in a plain process, or under static rendezvous without the
     shared store)."""
     return _agent_store() is not None or _run_id() not in (None, "none") or _job_folder() is not None
+
+
+def _shared_folder() -> Path | None:
+    """Where the launch's processes meet without torchrun's shared store: its claim files under torchrun, else a
+    submitit job's folder (None in a plain process)."""
+    return _claims_dir() if _run_id() is not None else _job_folder()
 
 
 def _job_folder() -> Path | None:
