@@ -14,6 +14,8 @@ installed = $(VENV)/.installed-$(or $(1),runtime)
 SMOKE := data=synthetic data.num_samples=256 data.num_val_samples=64 data.batch_size=16 trainer.max_epochs=1 trainer.limit_train_batches=5 trainer.log_every_n_steps=1
 # The same for segmentation: small shapes images, 2 images per rank (where SyncBN matters).
 SMOKE_SEG := task=segmentation data=shapes model=small_segnet data.num_samples=32 data.num_val_samples=8 data.image_size=32 data.batch_size=2 trainer.max_epochs=1 trainer.limit_train_batches=5 trainer.log_every_n_steps=1
+# And for detection: the small FCOS on generated shapes, 2 images per rank, grouped by aspect ratio.
+SMOKE_DET := task=detection model=detection model.name=small_fcos data=detection_shapes data.num_samples=32 data.num_val_samples=8 data.batch_size=2 data.aspect_ratio_groups=3 trainer.max_epochs=1 trainer.limit_train_batches=5 trainer.log_every_n_steps=1
 
 # gloo re-initialises reliably after torchrun restarts only without torchrun's shared store (pytorch#135712).
 export TORCH_DISABLE_SHARE_RDZV_TCP_STORE := 1
@@ -55,12 +57,13 @@ test: $(call installed,test) ## Set up a browser and a one-node SLURM where miss
 	$(TEST_SETUP)
 	$(PY) -m pytest -q -n 2
 
-smoke-test: $(call installed) ## Seven short CPU runs: single, dp, torchrun ddp with SyncBN, the bf16/accumulation/cosine/EMA/MixUp recipe, and segmentation, distillation and SimCLR on 2 ranks with SyncBN
+smoke-test: $(call installed) ## Eight short CPU runs: single, dp, torchrun ddp with SyncBN, the bf16/accumulation/cosine/EMA/MixUp recipe, and segmentation, detection, distillation and SimCLR on 2 ranks with SyncBN
 	$(PY) train.py strategy=single $(SMOKE)
 	$(PY) train.py strategy=dp $(SMOKE)
 	$(TORCHRUN) --nproc_per_node=2 train.py strategy=ddp syncbn=true $(SMOKE)
 	$(TORCHRUN) --nproc_per_node=2 train.py strategy=ddp precision=bf16 trainer.accumulate_grad_batches=2 scheduler=cosine scheduler.warmup_steps=1 ema.decay=0.9 trainer.label_smoothing=0.1 data.mixup_alpha=0.2 $(SMOKE)
 	$(TORCHRUN) --nproc_per_node=2 train.py strategy=ddp syncbn=true $(SMOKE_SEG)
+	$(TORCHRUN) --nproc_per_node=2 train.py strategy=ddp syncbn=true $(SMOKE_DET)
 	$(TORCHRUN) --nproc_per_node=2 train.py strategy=ddp syncbn=true task=distillation model@task.teacher_model=small_cnn task.teacher_model.channels=[32,64] $(SMOKE)
 	$(TORCHRUN) --nproc_per_node=2 train.py strategy=ddp syncbn=true task=simclr data.views=2 data.augment=true $(SMOKE)
 

@@ -22,7 +22,7 @@ from omegaconf import DictConfig
 from data import build_datasets, report_skipped_samples
 from ddp.checkpoints.best import BestTracker, check_best_settings, objective_key
 from ddp.checkpoints.checkpointer import Checkpointer
-from ddp.checkpoints.resume import check_update_state_fits, find_resume_checkpoint, is_restart, load_resumed_weights, resume_training
+from ddp.checkpoints.resume import check_resume_fits, find_resume_checkpoint, is_restart, load_resumed_weights, resume_training
 from ddp.config.checks import check_model_accepts, validate
 from ddp.config.schema import MULTI_PROCESS, register_configs
 from ddp.distributed.env import DistEnv, collect_after_imports, process_gpus, restrict_visible_gpus, select_device, set_up_process
@@ -33,7 +33,7 @@ from ddp.jobs.housekeeping import Housekeeping
 from ddp.jobs.launch import launch_workers
 from ddp.jobs.preemption import StopOnSignal, resume_command
 from ddp.jobs.run_dir import register_resolvers
-from ddp.loading.batches import BatchPlacement, batch_size, one_sample_batch, sample_image
+from ddp.loading.batches import BatchPlacement, batch_size, sample_image
 from ddp.loading.loader_workers import start_worker_server
 from ddp.loading.loaders import build_train_loader, build_val_loader, iterate_from, start_epoch
 from ddp.reporting.meter import reset_peak_memory
@@ -94,10 +94,10 @@ def check_startup(cfg: DictConfig, run_dir: Path, *, world_size: int, restarted:
     resumed = find_resume_checkpoint(cfg.resume, run_dir, restarted)
     if resumed:  # weights load before wrapping, so DDP starts every rank from them
         load_resumed_weights(model, resumed, cfg.strategy.name)
-        check_update_state_fits(resumed[1], resumed[0], cfg)
+        check_resume_fits(resumed[1], resumed[0], cfg, world_size, len(splits.train))
         check_frozen_fits(task, resumed[1], resumed[0])
     check_best_settings(cfg.checkpoint, cfg.trainer, cfg.task, run_epochs=length.epochs, task=task, model=model,
-                        val_batch=one_sample_batch(splits.val), resumed=resumed)
+                        val_split=splits.val, resumed=resumed)
     startup_passed(run_dir)  # under torchrun: a rank these checks refused prints its own line (ddp/jobs/failures.py)
     return splits, task, length, model, resumed
 

@@ -37,6 +37,10 @@ def build_datasets(data_cfg) -> DataSplits:
     if window and getattr(splits.train, "shard_sizes", None) is None:
         raise ConfigError(f"data.shuffle_window={window}: goes through a dataset's shards {window} at a time, but "
                           f"{data_cfg._target_} has no shards; use data.shuffle_window=0, or a sharded dataset (data=webdataset)")
+    groups, ratios = data_cfg.get("aspect_ratio_groups", 0), getattr(splits.train, "aspect_ratios", None)
+    if groups and (ratios is None or len(ratios) != len(splits.train)):
+        raise ConfigError(f"data.aspect_ratio_groups={groups}: groups images by aspect ratio, but {data_cfg._target_} has no "
+                          "`aspect_ratios` (one per training image); use data.aspect_ratio_groups=0, or a detection dataset")
     return splits
 
 

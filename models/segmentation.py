@@ -80,12 +80,15 @@ def load_weights_scoped(model: nn.Module, path: str, num_classes: int, scope: st
 
 
 def load_backbone_weights(model: nn.Module, path: str) -> None:
-    """Into model.backbone: a classification model's state_dict (its `features.` prefix, as MobileNetV3's,
+    """Into model.backbone (a detector's: its `body`, the trunk its FPN reads; the FPN stays freshly
+    initialised): a classification model's state_dict (its `features.` prefix, as MobileNetV3's,
     is dropped; its classifier is ignored), a backbone's own, or a whole segmentation model's (`backbone.`
     keys). Every backbone tensor must be in the file with its shape: otherwise a one-line error."""
     backbone = getattr(model, "backbone", None)
     if not isinstance(backbone, nn.Module):
         raise ConfigError("model.weights_scope=backbone: this model has no `backbone`; use model.weights_scope=model")
+    if isinstance(getattr(backbone, "body", None), nn.Module):  # a detector's: the classification trunk under its FPN
+        backbone = backbone.body
     state = {strip_wrapper_prefixes(key): value for key, value in read_state_dict(Path(path)).items()}
     own = backbone.state_dict()
     candidates = [{key.removeprefix(prefix): value for key, value in state.items() if key.startswith(prefix)}

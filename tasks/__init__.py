@@ -33,6 +33,9 @@ class Task:
     """The interface, with the defaults of a task that trains `loss(model(images), targets)`."""
 
     views = 1  # augmented views per training sample that training_step takes (data.views must match)
+    # True: evaluation gathers per-sample records instead of summing (tasks/detection.py): eval_step returns
+    # (sums, records), and metrics(sums, records, dataset) scores every rank's records, once, on rank 0
+    gathers_predictions = False
 
     def train_batch(self, images: torch.Tensor, targets: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Training-only batch transforms on the device, before the forward (MixUp/CutMix give soft
@@ -84,6 +87,9 @@ class Task:
         """The trainable model: `backbone` (the model= config's) with the task's trainable heads as
         submodules, or the backbone alone. What this returns is wrapped, trained, checkpointed, exported,
         evaluated by mode=eval, and loaded by model.weights_path."""
+        if is_detector(backbone):
+            raise ConfigError(f"model: a detector trains with task=detection, not with {type(self).__name__}; "
+                              "set task=detection, or use a model of this task")
         return backbone
 
     def frozen_modules(self) -> dict[str, nn.Module]:
@@ -101,6 +107,12 @@ class Task:
     def log_validation(self, writer, model: nn.Module, dataset, device: torch.device, step: int) -> None:
         """TensorBoard extras after each validation. Called on every rank with the bare model in eval
         mode; the writer does nothing off rank 0, so work only where it is active, and run no collective."""
+
+
+def is_detector(model: nn.Module) -> bool:
+    """A torchvision detector (models/detection.py), which resizes and batches its images itself. By its
+    transform's class name: no import of torchvision's detection models for the tasks that need none."""
+    return type(getattr(model, "transform", None)).__name__ == "GeneralizedRCNNTransform"
 
 
 def build_task(task_cfg, num_classes: int, class_names: list[str] | None, in_channels: int | None = None,

@@ -5,6 +5,7 @@ Our own checks (ddp/config/checks.py `validate`, `resolve_backend`, the data bui
 line `error: <message>` on stderr and exit 1; Hydra's composition errors are Hydra's own messages.
 """
 
+import json
 import os
 import pickle
 import socket
@@ -76,6 +77,26 @@ def _imagefolder_with_different_classes(tmp: Path) -> Path:
     return root
 
 
+def _coco_that_is_not_coco(tmp: Path) -> Path:
+    from test_detection_data import write_small_coco
+
+    root = tmp / "coco"
+    write_small_coco(root)
+    (root / "annotations" / "instances_val2017.json").write_text('{"images": [], "annotations": {}}')
+    return root
+
+
+def _coco_with_a_box_outside_its_image(tmp: Path) -> Path:
+    from test_detection_data import write_small_coco
+
+    root = tmp / "coco"
+    path = write_small_coco(root)
+    coco = json.loads(path.read_text())
+    coco["annotations"][0]["bbox"] = [20, 3, 30, 8]  # x + w = 50 in an image 32 wide
+    path.write_text(json.dumps(coco))
+    return root
+
+
 def _empty_dir(tmp: Path) -> Path:
     root = tmp / "cifar_empty"
     root.mkdir()
@@ -140,7 +161,34 @@ FSDP = ["strategy=fsdp", "strategy.nproc_per_node=2"]  # validated in this proce
 
 # (args, key named in the message, distinctive part(s) of the message, setup); "{tmp}" is tmp_path,
 # and "{dir}" is the folder that the case's setup function makes in tmp_path.
+DETECTION = ["trainer.max_epochs=1", "task=detection"]
+SMALL_FCOS = ["model=detection", "model.name=small_fcos"]
+SHAPES = ["data=detection_shapes", "data.num_samples=8", "data.num_val_samples=4"]
+
 OUR_ERRORS = {
+    "coco_json_that_is_not_coco": (
+        [*DETECTION, *SMALL_FCOS, "data=coco", "data.root={dir}"], "data.root={dir}",
+        ("annotations/instances_val2017.json: not a COCO annotation file", "'images', 'annotations' and 'categories' lists"),
+        _coco_that_is_not_coco,
+    ),
+    "coco_box_outside_its_image": (
+        [*DETECTION, *SMALL_FCOS, "data=coco", "data.root={dir}"], "data.root={dir}",
+        ("annotation 21's bbox", "lies outside its image 000000000011.png (32x24)"), _coco_with_a_box_outside_its_image,
+    ),
+    "unknown_detector": (
+        [*DETECTION, *SHAPES, "model=detection", "model.name=fasterrcnn_resnet_50"], "model.name=fasterrcnn_resnet_50",
+        "not a detector here", None,
+    ),
+    "detection_with_a_classification_model": (
+        [*DETECTION, *SHAPES, "model=small_cnn"], "model", "task=detection trains a detector, and SmallCNN is none; set model=detection",
+        None,
+    ),
+    "classification_with_a_detector": (
+        [*QUICK, *SMALL_FCOS], "model", "a detector trains with task=detection, not with ClassificationTask", None,
+    ),
+    "classification_of_detection_data": (
+        ["trainer.max_epochs=1", *SHAPES], "data", "a target dict per image (a detection dataset)", None,
+    ),
     "unknown_top_level_key": (QUICK + ["+typo=1"], "typo", "unknown key", None),
     "unknown_nested_key": (QUICK + ["+data.typo=1"], "data.typo", "unknown key", None),
     "unknown_task_key": (QUICK + ["+task.typo=1"], "task.typo", "unknown key", None),
@@ -346,7 +394,7 @@ def test_our_config_errors_name_the_key_before_anything_starts(tmp_path, monkeyp
 # `error:` line and exit 1 the same way. Through the command line: the case that gets furthest (the
 # config passes its checks, the data and the model are built and run), where a library could print
 # more than our line. (A launch costs seconds of start-up.)
-CLI_CASES = ["image_the_model_cannot_take"]
+CLI_CASES = ["image_the_model_cannot_take", "coco_box_outside_its_image"]
 
 
 @pytest.mark.parametrize("case", CLI_CASES)

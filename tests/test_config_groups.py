@@ -25,8 +25,11 @@ from data.hf import build_hf
 from data.vision import build_cifar10, build_imagefolder
 from data.webdataset import build_webdataset
 from data.voc import build_voc
+from data.coco import build_coco
+from data.detection_shapes import build_detection_shapes
 from models import build_model
 from models.resnet import build_resnet18
+from models.detection import build_detection_model
 from models.segmentation import build_segmentation_model, small_segnet
 from models.small_cnn import SmallCNN
 from models.zoo import build_timm, build_torchvision
@@ -39,6 +42,7 @@ from tasks.classification import ClassificationTask
 from tasks.segmentation import SegmentationTask
 from tasks.distillation import DistillationTask
 from tasks.simclr import SimCLRTask
+from tasks.detection import DetectionTask
 
 register_configs()
 register_resolvers()
@@ -49,7 +53,7 @@ OPTIONS = {
     "strategy": {"single": schema.StrategyConfig, "dp": schema.StrategyConfig, "ddp": schema.StrategyConfig,
                  "fsdp": schema.FSDPStrategyConfig, "hsdp": schema.HSDPStrategyConfig},
     "model": {"small_cnn": SmallCNN, "resnet18": build_resnet18, "torchvision": build_torchvision, "timm": build_timm,
-              "small_segnet": small_segnet, "segmentation": build_segmentation_model},
+              "small_segnet": small_segnet, "segmentation": build_segmentation_model, "detection": build_detection_model},
     "data": {
         "digits": build_digits,
         "synthetic": build_synthetic,
@@ -57,13 +61,15 @@ OPTIONS = {
         "cifar10": build_cifar10,
         "shapes": build_shapes,
         "voc": build_voc,
+        "detection_shapes": build_detection_shapes,
+        "coco": build_coco,
         "hf": build_hf,
         "webdataset": build_webdataset,
     },
     "optim": {"sgd": schema.SGDConfig, "adam": schema.AdamConfig, "adamw": schema.AdamConfig},
     "scheduler": {"none": schema.SchedulerConfig, "cosine": schema.CosineSchedulerConfig, "step": schema.StepSchedulerConfig},
     "task": {"classification": ClassificationTask, "segmentation": SegmentationTask, "simclr": SimCLRTask,
-             "distillation": DistillationTask},
+             "distillation": DistillationTask, "detection": DetectionTask},
     "logger": {"tensorboard": schema.TensorBoardConfig, "mlflow": schema.MLflowConfig, "wandb": schema.WandbConfig},
 }
 ALL_OPTIONS = [(group, option) for group, options in OPTIONS.items() for option in options]
@@ -74,7 +80,7 @@ DEFAULT_KEYS = {
     "strategy.nproc_per_node", "strategy.max_restarts", "strategy.block_types",
     "model._target_", "model.weights_path", "model.weights_scope", "model.channels", "model.dropout", "model.norm",
     "data._target_", "data.batch_size", "data.num_workers", "data.mixup_alpha", "data.cutmix_alpha", "data.split", "data.val_batch_size",
-    "data.shuffle_window",
+    "data.shuffle_window", "data.aspect_ratio_groups",
     "data.val_fraction", "data.split_seed", "data.views", "data.augment",
     "optim._target_", "optim.lr", "optim.lr_scaling", "optim.reference_batch_size", "optim.momentum", "optim.weight_decay",
     "optim.nesterov", "scheduler.name", "scheduler.warmup_steps", "scheduler.warmup_epochs",
@@ -95,7 +101,8 @@ DEFAULT_KEYS = {
 }
 
 STRATEGY = {"name", "timeout_s", "bucket_cap_mb", "find_unused_parameters", "nproc_per_node", "max_restarts", "block_types"}
-LOADING = {"_target_", "batch_size", "num_workers", "mixup_alpha", "cutmix_alpha", "split", "val_batch_size", "shuffle_window"}
+LOADING = {"_target_", "batch_size", "num_workers", "mixup_alpha", "cutmix_alpha", "split", "val_batch_size", "shuffle_window",
+           "aspect_ratio_groups"}
 # The keys each option adds to its group. Update this list deliberately when adding an option.
 OPTION_KEYS = {
     ("strategy", "single"): STRATEGY,
@@ -109,6 +116,7 @@ OPTION_KEYS = {
     ("model", "timm"): {"_target_", "weights_path", "weights_scope", "name", "drop_path_rate", "kwargs"},
     ("model", "small_segnet"): {"_target_", "weights_path", "weights_scope", "width", "aux_loss"},
     ("model", "segmentation"): {"_target_", "weights_path", "weights_scope", "name", "aux_loss"},
+    ("model", "detection"): {"_target_", "weights_path", "weights_scope", "name", "min_size", "max_size", "frozen_batchnorm", "kwargs"},
     ("data", "digits"): {*LOADING, "val_fraction", "split_seed", "views", "augment"},
     ("data", "synthetic"): {
         *LOADING, "num_samples", "num_val_samples", "image_size", "num_classes", "channels", "data_seed", "augment", "views",
@@ -119,6 +127,10 @@ OPTION_KEYS = {
     ("data", "shapes"): {*LOADING, "num_samples", "num_val_samples", "image_size", "num_classes", "data_seed", "augment",
                          "max_shapes"},
     ("data", "voc"): {*LOADING, "root", "num_classes", "base_size", "crop_size", "class_names"},
+    ("data", "detection_shapes"): {*LOADING, "num_samples", "num_val_samples", "image_size", "num_categories", "data_seed", "augment",
+                                   "max_shapes", "empty_fraction", "crowd_fraction", "multiscale_sizes", "multiscale_max_size", "lsj_size"},
+    ("data", "coco"): {*LOADING, "root", "train_annotations", "train_images", "val_annotations", "val_images", "augment",
+                       "multiscale_sizes", "multiscale_max_size", "lsj_size"},
     ("data", "hf"): {*LOADING, "path", "image_column", "label_column", "train_split", "val_split", "image_size", "augment",
                      "views", "random_erase", "interpolation", "on_bad_sample"},
     ("data", "webdataset"): {*LOADING, "train_shards", "val_shards", "test_shards", "num_classes", "cache_dir", "cache_limit_gb",
@@ -131,6 +143,8 @@ OPTION_KEYS = {
     ("scheduler", "cosine"): {"name", "warmup_steps", "warmup_epochs", "min_lr"},
     ("scheduler", "step"): {"name", "warmup_steps", "warmup_epochs", "milestones", "gamma"},
     ("task", "classification"): {"_target_", "objective", "direction", "label_smoothing", "mixup_alpha", "cutmix_alpha"},
+    ("task", "detection"): {"_target_", "objective", "direction", "label_smoothing", "mixup_alpha", "cutmix_alpha",
+                            "num_images_logged", "score_threshold_logged"},
     ("task", "segmentation"): {"_target_", "objective", "direction", "aux_weight", "ignore_index", "label_smoothing",
                                "mixup_alpha", "cutmix_alpha", "num_images_logged"},
     ("task", "distillation"): {"_target_", "_recursive_", "objective", "direction", "teacher", "teacher_model", "alpha",
@@ -230,7 +244,8 @@ def test_hydra_config_prints_resolved(tmp_path, monkeypatch, capsys):
 # imagefolder and voc ship data.root as MISSING (test_imagefolder_requires_a_root, tests/test_segmentation.py), hf data.path
 # and webdataset its shards (tests/test_hf_data.py, tests/test_webdataset.py)
 @pytest.mark.parametrize("group, option", [(g, o) for g, o in ALL_OPTIONS if (g, o) not in
-                                           {("data", "imagefolder"), ("data", "voc"), ("data", "hf"), ("data", "webdataset")}])
+                                           {("data", "imagefolder"), ("data", "voc"), ("data", "hf"), ("data", "webdataset"),
+                                            ("data", "coco")}])
 def test_option_passes_validation(group, option, tmp_path, monkeypatch):
     """Every option's defaults are valid as shipped (cifar10's default root is relative to the working dir)."""
     monkeypatch.chdir(tmp_path)

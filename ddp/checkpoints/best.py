@@ -16,6 +16,7 @@ import math
 import torch
 
 from ddp.config.schema import ConfigError
+from ddp.loading.batches import one_sample_batch
 
 log = logging.getLogger("train")  # the run's own console lines, under the script's name
 
@@ -46,12 +47,14 @@ def check_validations(*, keep_best: int, patience: int | None, trainer_objective
 
 
 @torch.no_grad()
-def check_metric_name(metric: str, key: str, task, model: torch.nn.Module, batch) -> None:
-    """`metric` must be a key of the task's validation results: a batch of one val sample through the model shows them."""
+def check_metric_name(metric: str, key: str, task, model: torch.nn.Module, val_split) -> None:
+    """`metric` must be a key of the task's validation results: a batch of val_split's first sample through
+    the model shows them (for a task that gathers predictions, the metrics of that sample's)."""
     was_training = model.training
-    sums = task.eval_step(model.eval(), batch)
+    sums = task.eval_step(model.eval(), one_sample_batch(val_split))
     model.train(was_training)
-    names = [name for name in ("val_" + k for k in task.metrics(sums)) if name != "val_samples"]
+    metrics = task.metrics(*sums, val_split) if task.gathers_predictions else task.metrics(sums)
+    names = [name for name in ("val_" + k for k in metrics) if name != "val_samples"]
     if metric not in names:
         closest = difflib.get_close_matches(metric, names, n=1)
         hint = f"did you mean {closest[0]}? " if closest else ""
@@ -59,13 +62,13 @@ def check_metric_name(metric: str, key: str, task, model: torch.nn.Module, batch
 
 
 def check_best_settings(checkpoint_cfg, trainer_cfg, task_cfg, *, run_epochs: int, task, model: torch.nn.Module,
-                        val_batch, resumed: tuple | None) -> None:
+                        val_split, resumed: tuple | None) -> None:
     """checkpoint.keep_best, best_of, trainer.early_stop_patience and trainer.objective against this run and
     the checkpoint it resumes (`resumed`: path, checkpoint), before anything starts."""
     check_validations(keep_best=checkpoint_cfg.keep_best, patience=trainer_cfg.early_stop_patience,
                       trainer_objective=trainer_cfg.objective, val_every_n_epochs=trainer_cfg.val_every_n_epochs,
                       run_epochs=run_epochs)
-    check_metric_name(task_cfg.objective, "task.objective", task, model, val_batch)
+    check_metric_name(task_cfg.objective, "task.objective", task, model, val_split)
     if resumed:
         check_record_fits(resumed[1], ranked_metric(task_cfg.objective, checkpoint_cfg.best_of), task_cfg.direction,
                           resumed[0])

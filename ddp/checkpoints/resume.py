@@ -185,6 +185,28 @@ def check_update_state_fits(checkpoint: dict[str, Any], source: Path, cfg) -> No
                               f"{'needs' if kept else 'has no use for'}: resume with the settings it was trained with")
 
 
+def check_resume_fits(checkpoint: dict[str, Any], source: Path, cfg, world_size: int, train_size: int) -> None:
+    """What this run keeps of the update (check_update_state_fits) and the epoch's sample order (check_sample_order_fits) fit the checkpoint's."""
+    check_update_state_fits(checkpoint, source, cfg)
+    check_sample_order_fits(checkpoint, source, cfg.data, world_size, train_size)
+
+
+def check_sample_order_fits(checkpoint: dict[str, Any], source: Path, data_cfg, world_size: int, train_size: int) -> None:
+    """A resume mid-epoch continues the epoch's order from the sample the checkpoint reached. With
+    data.aspect_ratio_groups on, that order depends on the groups and the global batch (batch_size x world
+    size; ddp/loading/samplers.py: grouped_order): another of either would train some images twice and
+    others not at all, so both stay the checkpoint's until the epoch ends. The world size alone may change."""
+    saved = checkpoint["config"]["data"]
+    samples = checkpoint.get("samples_in_epoch", checkpoint["batch_in_epoch"] * saved["batch_size"] * checkpoint["world_size"])
+    saved_groups, groups = saved.get("aspect_ratio_groups", 0), data_cfg.get("aspect_ratio_groups", 0)
+    saved_batch, batch = saved["batch_size"] * checkpoint["world_size"], data_cfg.batch_size * world_size
+    if 0 < samples < train_size and (saved_groups, saved_groups and saved_batch) != (groups, groups and batch):
+        raise ConfigError(f"resume: {source} stopped mid-epoch with data.aspect_ratio_groups={saved_groups} at a global batch "
+                          f"of {saved_batch}, whose order this run's {groups} at {batch} wouldn't continue: resume with "
+                          f"data.aspect_ratio_groups={saved_groups} and data.batch_size x world size = {saved_batch}, "
+                          "or from a checkpoint at an epoch's end")
+
+
 def capture_rank_state(epoch_totals: torch.Tensor, cuda_devices: list[int]) -> dict[str, Any]:
     """This rank's random state and partial-epoch loss, as plain containers and tensors. (The data's
     draws need no state: they are seeded per sample, ddp/loading/sample_seeds.py.)

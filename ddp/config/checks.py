@@ -90,6 +90,11 @@ def validate(cfg: Any, *, launched: bool, world_size: int) -> None:
     _check(cfg.data.num_workers >= 0, f"data.num_workers={cfg.data.num_workers}: must be >= 0")
     _check(cfg.data.shuffle_window >= 0, f"data.shuffle_window={cfg.data.shuffle_window}: must be >= 0 (0: one shuffle of "
                                          "all samples; K: K shards at a time)")
+    groups = cfg.data.aspect_ratio_groups
+    _check(groups >= 0, f"data.aspect_ratio_groups={groups}: must be >= 0 (0: off; K: 2K+2 aspect ratio groups, e.g. 3)")
+    _check(not (groups and cfg.data.shuffle_window), f"data.aspect_ratio_groups={groups}: can't go with data.shuffle_window="
+           f"{cfg.data.shuffle_window}, whose reads stay within its shards while a group's batch gathers images from any; "
+           "set one of them to 0")
     if cfg.data.val_batch_size is not None:
         _check(cfg.data.val_batch_size > 0, f"data.val_batch_size={cfg.data.val_batch_size}: must be > 0, e.g. 1")
     _check(cfg.optim.lr > 0, f"optim.lr={cfg.optim.lr}: must be > 0, e.g. optim.lr=0.01")

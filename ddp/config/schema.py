@@ -79,6 +79,9 @@ class DataConfig:
     # > 0: a sharded dataset's epoch goes through its shards in a shuffled order, this many at a time, its
     # samples shuffled within them (reads stay within those shards); 0: one shuffle of all samples
     shuffle_window: int = 0
+    # > 0: training batches of images of similar aspect ratio (a detection dataset's `aspect_ratios`), formed on
+    # the global batch, as torchvision's --aspect-ratio-group-factor: 2K+2 groups (docs/distributed.md); 0: off
+    aspect_ratio_groups: int = 0
 
 
 @dataclass

@@ -7,6 +7,7 @@ import itertools
 import logging
 import os
 from collections.abc import Callable, Iterator
+from typing import Any
 from datetime import timedelta
 
 import torch
@@ -141,6 +142,29 @@ def gather_per_rank(values: list[float], device: torch.device) -> list[list[floa
     gathered = [torch.empty_like(local) for _ in range(dist.get_world_size())]
     dist.all_gather(gathered, local)
     return torch.stack(gathered).tolist()
+
+
+def on_rank_zero(function: Callable, local: Any, *args) -> Any:
+    """`function(every rank's local, *args)` run once, on rank 0, its result (or the exception it raised)
+    given to every rank: each returns the result or raises the exception. Without a process group,
+    `function([local], *args)`. For work that needs all ranks' objects and must not run on each
+    (COCO evaluation); the objects travel pickled (gather_object, broadcast_object_list)."""
+    if not (dist.is_available() and dist.is_initialized()):
+        return function([local], *args)
+    rank_zero = dist.get_rank() == 0
+    gathered = [None] * dist.get_world_size() if rank_zero else None
+    dist.gather_object(local, gathered, dst=0)
+    outcome = [None]
+    if rank_zero:
+        try:
+            outcome = [(True, function(gathered, *args))]
+        except Exception as error:  # every rank raises it, rather than waiting for a broadcast that never comes
+            outcome = [(False, error)]
+    dist.broadcast_object_list(outcome, src=0)
+    succeeded, value = outcome[0]
+    if not succeeded:
+        raise value
+    return value
 
 
 def broadcast_buffers_from_rank_zero(module: torch.nn.Module) -> None:

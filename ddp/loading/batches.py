@@ -50,6 +50,11 @@ class ImageNormalization:
         return f"ImageNormalization(mean={self.mean}, std={self.std})"
 
 
+class SampleList(list):
+    """A batch's per-sample items left uncollated: images of different sizes, a detector's targets
+    (data/detection_transforms.py: detection_collate). Its samples are its length, not its first tensor's leading size."""
+
+
 def to_device(batch: Any, device: torch.device, memory_format: torch.memory_format = torch.preserve_format,
               normalization: ImageNormalization | None = None) -> Any:
     """`batch` on `device`, same nesting; its image tensors (4-D floating point) in `memory_format`.
@@ -83,7 +88,9 @@ class BatchPlacement:
 
 
 def batch_size(batch: Any) -> int:
-    """The number of samples: the leading size of the batch's first tensor."""
+    """The number of samples: the leading size of the batch's first tensor, or the length of its first SampleList."""
+    if isinstance(batch, SampleList):
+        return len(batch)
     if isinstance(batch, torch.Tensor):
         return len(batch)
     items = batch.values() if isinstance(batch, dict) else batch if isinstance(batch, (tuple, list)) else ()
@@ -125,6 +132,9 @@ def images_and_labels(batch: Any) -> tuple[Any, Any]:
     """A batch's (or sample's) images and labels: a pair's two elements, a dict's IMAGE_KEY and LABEL_KEY."""
     if not isinstance(batch, dict):
         images, labels = batch
+        if isinstance(labels, SampleList):
+            raise ConfigError("data: its batches hold a target dict per image (a detection dataset), which this task "
+                              "can't read; use task=detection, or data of this task")
         return images, labels
     if IMAGE_KEY not in batch or LABEL_KEY not in batch:
         raise ConfigError(f"data: a batch is {structure(batch)}; the task reads a dict batch's '{IMAGE_KEY}' and "

@@ -12,7 +12,7 @@ from ddp.distributed.env import DistEnv
 from ddp.loading.collate import collate
 from ddp.loading.loader_workers import WorkerSafeDataLoader
 from ddp.loading.sample_seeds import SeededSamples
-from ddp.loading.samplers import ShardSampler, TrainSampler
+from ddp.loading.samplers import ShardSampler, TrainSampler, group_by_aspect_ratio
 
 
 def build_train_loader(dataset: Dataset, data_cfg, env: DistEnv, seed: int, pin_memory: bool) -> DataLoader:
@@ -20,12 +20,18 @@ def build_train_loader(dataset: Dataset, data_cfg, env: DistEnv, seed: int, pin_
     samples depends only on the seed, never on the world size, and so do their random draws
     (SeededSamples). Call `start_epoch` every epoch.
 
+    data.aspect_ratio_groups=K: batches of images of one aspect ratio group, formed on the global batch
+    (TrainSampler's group_ids), so that they too are the same at any world size of that global batch.
+
     Workers are not persistent: each epoch's workers get the dataset with that epoch set.
     """
     samples = SeededSamples(dataset, seed)
+    groups = getattr(data_cfg, "aspect_ratio_groups", 0)  # build_datasets has checked the dataset's aspect_ratios
     sampler = TrainSampler(samples, num_replicas=env.world_size, rank=env.rank, shuffle=True, seed=seed,
                            shard_sizes=getattr(dataset, "shard_sizes", None), window=getattr(data_cfg, "shuffle_window", 0),
-                           prefetch=getattr(dataset, "prefetch", None))
+                           prefetch=getattr(dataset, "prefetch", None),
+                           group_ids=group_by_aspect_ratio(dataset.aspect_ratios, groups) if groups else None,
+                           global_batch=data_cfg.batch_size * env.world_size)
     return WorkerSafeDataLoader(
         samples,
         batch_size=data_cfg.batch_size,

@@ -1,11 +1,13 @@
-"""Samplers: shuffled training shards, continued from any sample of an epoch at any world size, and
-exact unpadded shards for evaluation. Pure functions of (size, world_size, rank), no process group."""
+"""Samplers: shuffled training shards, continued from any sample of an epoch at any world size, optionally
+in batches of images of one aspect ratio, and exact unpadded shards for evaluation. Pure functions of
+(size, world_size, rank), no process group."""
 
 import bisect
 import itertools
 import math
 from collections.abc import Callable, Iterator, Sequence
 
+import numpy as np
 import torch
 from torch.utils.data import DistributedSampler, Sampler
 
@@ -63,6 +65,37 @@ def epoch_windows(seed: int, epoch: int, shard_sizes: Sequence[int], window: int
     return windows
 
 
+def group_by_aspect_ratio(aspect_ratios: Sequence[float], k: int) -> list[int]:
+    """Each image's group (`aspect_ratios`: width / height, one per image), as torchvision's detection
+    reference quantises them (create_aspect_ratio_groups, its factor k >= 1): 2k+1 bin edges evenly spaced on a
+    log scale from 1/2 to 2, so 2k+2 groups, the outer two for images wider than 2:1 or taller than 1:2.
+    A batch of one group pads its images to a common size with little waste."""
+    edges = (2 ** np.linspace(-1, 1, 2 * k + 1)).tolist()  # torchvision's arithmetic, so its groups to the bit
+    return [bisect.bisect_right(edges, ratio) for ratio in aspect_ratios]
+
+
+def grouped_order(order: Sequence[int], group_ids: Sequence[int], global_batch: int) -> list[int]:
+    """`order` rearranged into global batches of one group each: walking `order`, each sample joins its
+    group's buffer, and a buffer that reaches `global_batch` samples is the next global batch. At the
+    end, the buffers' leftovers (fewer than `global_batch` per group), in the order of their first
+    samples, so every sample is in the result once.
+
+    Why global batches, not each rank's own (torchvision's GroupedBatchSampler on each shard): the order
+    is then a function of `order` and `global_batch` only, so 2 ranks x B and 1 rank x 2B train the same
+    images at every update, and `rest_of_epoch` dealing out each global batch gives every rank a batch
+    of one group, except in the epoch's last few batches (the leftovers). The cost: a rare group's
+    images wait until it fills a batch, so they come later in the epoch than the plain shuffle had them.
+    """
+    buffers: dict[int, list[int]] = {}  # a group's buffer is (re)inserted with its first sample
+    grouped = []
+    for index in order:
+        group = group_ids[index]
+        buffers.setdefault(group, []).append(index)
+        if len(buffers[group]) == global_batch:
+            grouped += buffers.pop(group)
+    return grouped + [index for buffer in buffers.values() for index in buffer]
+
+
 def rest_of_epoch(order: Sequence[int], start: int, world_size: int, rank: int) -> list[int]:
     """This rank's share of `order[start:]`, dealt out as DistributedSampler deals (rank r takes every
     world_size-th sample from r), and padded as it pads: with the epoch's first samples, fewer than
@@ -95,7 +128,9 @@ def resume_point(samples_in_epoch: int, batch_size: int, world_size: int) -> tup
 class TrainSampler(DistributedSampler):
     """DistributedSampler(shuffle=True) whose epoch can begin `start` samples into the global order
     (`rest_of_epoch`), set with `set_epoch`, and whose order can go through a sharded dataset's shards
-    `window` at a time (`epoch_windows`). With start=0 and window=0 it is DistributedSampler exactly.
+    `window` at a time (`epoch_windows`), or in global batches of one image group each (`group_ids`, one
+    per sample; `global_batch`: batch_size x world_size; `grouped_order`; not with a window). With start=0,
+    window=0 and no groups it is DistributedSampler exactly.
 
     `prefetch(shard_numbers)`, where the dataset can fetch shards ahead (remote shards): called as this
     rank's samples enter each window, with the next window's shards (and, first, the current one's too),
@@ -105,16 +140,18 @@ class TrainSampler(DistributedSampler):
     start = 0
 
     def __init__(self, dataset, *, shard_sizes: Sequence[int] | None = None, window: int = 0,
-                 prefetch: Callable[[list[int]], None] | None = None, **kwargs):
+                 prefetch: Callable[[list[int]], None] | None = None, group_ids: Sequence[int] | None = None,
+                 global_batch: int = 0, **kwargs):
         super().__init__(dataset, **kwargs)
         self.shard_sizes, self.window, self.prefetch = shard_sizes, window, prefetch
+        self.group_ids, self.global_batch = group_ids, global_batch
 
     def set_epoch(self, epoch: int, start: int = 0) -> None:
         super().set_epoch(epoch)
         self.start = start
 
     def __iter__(self) -> Iterator[int]:
-        if self.start == 0 and not self.window:
+        if self.start == 0 and not self.window and self.group_ids is None:
             return super().__iter__()
         if not self.window or self.shard_sizes is None or self.prefetch is None:
             return iter(self.indices())
@@ -124,9 +161,11 @@ class TrainSampler(DistributedSampler):
 
     def indices(self) -> list[int]:
         """This rank's samples of the epoch, in order, as iterating yields them (without prefetching)."""
-        if self.start == 0 and not self.window:
+        if self.start == 0 and not self.window and self.group_ids is None:
             return list(super().__iter__())
         order = epoch_order(len(self.dataset), self.seed, self.epoch, self.shard_sizes, self.window)
+        if self.group_ids is not None:
+            order = grouped_order(order, self.group_ids, self.global_batch)
         return rest_of_epoch(order, self.start, self.num_replicas, self.rank)
 
     def _prefetching(self, share: list[int], windows: list[tuple[list[int], list[int]]]) -> Iterator[int]:

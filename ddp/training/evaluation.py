@@ -1,5 +1,7 @@
 """Exact evaluation: every sample of a split counted once across ranks, then one all_reduce of the
-task's sums (tasks/__init__.py). Used by training's validation and by mode=eval (evaluate.py)."""
+task's sums (tasks/__init__.py), or, for a task that gathers its predictions (detection), every
+rank's per-sample records gathered to rank 0, checked to hold each evaluated sample once, and scored
+there once. Used by training's validation and by mode=eval (evaluate.py)."""
 
 import math
 
@@ -8,7 +10,7 @@ import torch.distributed as dist
 from torch import nn
 
 from ddp.distributed.dtensor import is_sharded
-from ddp.distributed.process_group import all_reduce_sum, broadcast_buffers_from_rank_zero
+from ddp.distributed.process_group import all_reduce_sum, broadcast_buffers_from_rank_zero, on_rank_zero
 from ddp.loading.batches import one_sample_batch, to_device
 from ddp.loading.samplers import shard_indices
 from ddp.run_context import RunContext
@@ -18,17 +20,21 @@ from ddp.run_context import RunContext
 def evaluate(model: nn.Module, loader, device: torch.device, limit_batches: int, task) -> dict[str, float]:
     """The task's metrics over the loader's split (all of it, across ranks), keys prefixed "val_"."""
     model.eval()
-    sums, forwards = None, 0
+    sums, forwards, records = None, 0, []
     for batch_index, batch in enumerate(loader):
         if batch_index == limit_batches:
             break
         batch_sums = task.eval_step(model, to_device(batch, device, normalization=getattr(loader.dataset, "image_normalization", None)))
+        if task.gathers_predictions:
+            batch_sums, batch_records = batch_sums
+            records += batch_records
         sums = batch_sums if sums is None else sums.add_(batch_sums)
         forwards += 1
     if sums is None or is_sharded(model):
         batch = to_device(one_sample_batch(loader.dataset), device)
     if sums is None:  # this rank's shard is empty: zeros, as long as the other ranks' sums
-        sums = torch.zeros_like(task.eval_step(model, batch))
+        sums = task.eval_step(model, batch)
+        sums = torch.zeros_like(sums[0] if task.gathers_predictions else sums)
         forwards += 1
     if is_sharded(model):
         # Every forward of a sharded model is a collective (FSDP gathers each block's parameters), and
@@ -37,7 +43,37 @@ def evaluate(model: nn.Module, loader, device: torch.device, limit_batches: int,
         most = most_val_forwards(len(loader.dataset), dist.get_world_size(), loader.batch_size, limit_batches)
         for _ in range(most - forwards):
             task.eval_step(model, batch)
-    return {"val_" + key: value for key, value in task.metrics(all_reduce_sum(sums)).items()}
+    sums = all_reduce_sum(sums)
+    if task.gathers_predictions:
+        world_size = dist.get_world_size() if dist.is_initialized() else 1
+        evaluated = evaluated_samples(len(loader.dataset), world_size, loader.batch_size, limit_batches)
+        metrics = on_rank_zero(gathered_metrics, records, task, sums, loader.dataset.dataset, evaluated)
+    else:
+        metrics = task.metrics(sums)
+    return {"val_" + key: value for key, value in metrics.items()}
+
+
+class IncompleteEvaluation(RuntimeError):
+    """A gathering task's records don't hold each evaluated sample once: a sample missing or counted twice."""
+
+
+def gathered_metrics(every_rank_records: list[list[dict]], task, sums: torch.Tensor, dataset, evaluated: int) -> dict[str, float]:
+    """On rank 0: the task's metrics of all ranks' records, once each sample of the `evaluated` ones is
+    there exactly once (by its record's `id`); else IncompleteEvaluation naming what is wrong."""
+    records = [record for rank_records in every_rank_records for record in rank_records]
+    ids = [record["id"] for record in records]
+    repeated = sorted({sample_id for sample_id in ids if ids.count(sample_id) > 1}) if len(set(ids)) < len(ids) else []
+    if repeated or len(ids) != evaluated:
+        raise IncompleteEvaluation(f"evaluation: {len(set(ids))} distinct samples have predictions, of the {evaluated} evaluated"
+                                   f"{f'; counted more than once: {repeated[:10]}' if repeated else ''}; a sample's "
+                                   "predictions were lost or repeated, so no metric is reported")
+    return task.metrics(sums, records, dataset)
+
+
+def evaluated_samples(size: int, world_size: int, batch_size: int, limit_batches: int) -> int:
+    """How many samples `evaluate` evaluates over all ranks: every rank's shard, each cut at `limit_batches` batches (-1: none)."""
+    shards = [len(shard_indices(size, world_size, rank)) for rank in range(world_size)]
+    return sum(shard if limit_batches == -1 else min(shard, limit_batches * batch_size) for shard in shards)
 
 
 def most_val_forwards(size: int, world_size: int, batch_size: int, limit_batches: int) -> int:
