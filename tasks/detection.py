@@ -105,6 +105,11 @@ class DetectionTask(Task):
             raise ConfigError(f"task.num_images_logged={num_images_logged}: must be >= 0 (0: no images)")
         if not 0 <= score_threshold_logged <= 1:
             raise ConfigError(f"task.score_threshold_logged={score_threshold_logged}: a score, between 0 and 1")
+        try:
+            import pycocotools  # noqa: F401 (the metrics' evaluator: its absence is a line now, not a traceback at the first validation)
+        except ImportError:
+            raise ConfigError("task=detection: pycocotools is not installed, and it computes the COCO metrics; "
+                              "pip install pycocotools==2.0.11 (make install does)") from None
         self.num_classes, self.class_names = num_classes, class_names
         self.num_images_logged, self.score_threshold_logged = num_images_logged, score_threshold_logged
 

@@ -500,6 +500,30 @@ def check_profiler_traces_cuda_kernels_and_snapshots_memory(scratch: Path) -> st
     return f"CUDA kernels in the traces: rank 0 {kernels[0]}, rank 1 {kernels[1]}; memory snapshots at step 3 unpickle"
 
 
+DETECTION = ["task=detection", "model=detection", "model.name=small_fasterrcnn", "data=detection_shapes", "data.num_val_samples=37"]
+
+
+def check_detection_on_cuda(scratch: Path) -> str:
+    """task=detection on cuda:0: Faster R-CNN's per-image samplers draw from CUDA generators, the COCO evaluation
+    gathers its records over nccl (world size 1, torch's SyncBN, bf16, aspect-ratio groups, loader workers) and
+    mode=eval of its checkpoint gives its metrics again; 2 ranks x 8 over gloo sharing the GPU train as 1 x 16 (lsj:
+    images of one size)."""
+    launch(["strategy=ddp", "backend=nccl", "syncbn=true", *DETECTION, "data.batch_size=8", "data.num_workers=2",
+            "data.aspect_ratio_groups=3", "precision=bf16", "optim.lr=0.02", "trainer.max_epochs=3"], scratch / "det_nccl", nproc=1)
+    trained = results(scratch / "det_nccl")
+    launch(["strategy=ddp", "backend=nccl", *DETECTION, "mode=eval", f"resume={run_dir(scratch / 'det_nccl')}"],
+           scratch / "det_eval", nproc=1)
+    (evaluated,) = (scratch / "det_eval" / "outputs").rglob("eval.json")
+    evaluated = json.loads(evaluated.read_text())
+    assert trained["val_samples"] == evaluated["val_samples"] == 37 and trained["val_map"] > 0, trained
+    assert json.dumps({k: v for k, v in trained.items() if k.startswith("val_")}, sort_keys=True) == \
+        json.dumps({k: v for k, v in evaluated.items() if k.startswith("val_")}, sort_keys=True), (trained, evaluated)
+    worst = two_ranks_against_one_process([*DETECTION, "data.num_samples=64", "data.augment=lsj", "data.lsj_size=48",
+                                           "optim.lr=0.001", "trainer.max_epochs=1", "deterministic=true"], scratch, "det_shared")
+    return (f"nccl x1 bf16 val_map={trained['val_map']:.4f}, mode=eval equal; gloo 2x8 == 1x16 within rtol 1e-3 "
+            f"(largest difference {worst:.2g})")
+
+
 CHECKS = [
     check_single_learns_digits,
     check_fp16_learns_digits_with_channels_last_and_ema,
@@ -520,6 +544,7 @@ CHECKS = [
     check_devices_restrict_the_visible_gpus,
     check_distillation_teacher_on_cuda_single_and_fsdp,
     check_simclr_gathers_negatives_on_cuda,
+    check_detection_on_cuda,
     check_profiler_traces_cuda_kernels_and_snapshots_memory,
     check_jpeg_batches_cross_as_uint8_and_normalize_on_the_gpu,
     check_resnet18_throughput,
