@@ -99,7 +99,8 @@ def test_a_rank_killed_mid_epoch_is_restarted_and_the_run_ends_bit_identical(lea
 
 @pytest.fixture
 def evaluated(learned, tmp_path_factory):
-    """mode=eval of the learned run's checkpoint in this process and on 3 ranks: {world size: eval.json}."""
+    """mode=eval of the learned run's checkpoint in this process, on 3 DDP ranks and on 2 FSDP ranks (each of whose
+    forwards is a collective, over shards of 19 and 18 images): {"1", "3", "fsdp": eval.json}."""
     run_dir, _ = learned
 
     def evaluate_in(cwd) -> dict:
@@ -110,21 +111,26 @@ def evaluated(learned, tmp_path_factory):
         train.run(cfg, cwd / "1", relaunch="")
         (cwd / "3").mkdir()
         check(launch([*args, "strategy=ddp"], cwd / "3", nproc=3, env=ONE_THREAD, timeout=240))
-        (three,) = (cwd / "3" / "outputs").rglob("eval.json")
-        return {"1": json.loads((cwd / "1" / "eval.json").read_text()), "3": json.loads(three.read_text())}
+        (cwd / "fsdp").mkdir()
+        check(launch([*args, "strategy=fsdp", "strategy.block_types=[Sequential]"], cwd / "fsdp", nproc=2, env=ONE_THREAD, timeout=240))
+        (three,), (sharded,) = (cwd / "3" / "outputs").rglob("eval.json"), (cwd / "fsdp" / "outputs").rglob("eval.json")
+        return {"1": json.loads((cwd / "1" / "eval.json").read_text()), "3": json.loads(three.read_text()),
+                "fsdp": json.loads(sharded.read_text())}
 
     _, evaluations = shared_run("det_eval", evaluate_in, tmp_path_factory)
-    return {int(world_size): results for world_size, results in evaluations.items()}
+    return evaluations
 
 
-def test_coco_metrics_are_equal_at_world_sizes_1_2_3_and_under_mode_eval(learned, evaluated):
-    """The 2-rank run's final validation (37 images: 19 + 18), mode=eval of its last.pt in one process and
-    on 3 ranks (13 + 12 + 12): pycocotools on the same gathered detections, so the same numbers, with ==."""
+def test_coco_metrics_are_equal_at_world_sizes_1_2_3_under_ddp_and_fsdp_and_mode_eval(learned, evaluated):
+    """The 2-rank run's final validation (37 images: 19 + 18), mode=eval of its last.pt in one process, on 3
+    DDP ranks (13 + 12 + 12) and on 2 FSDP ranks: pycocotools on the same gathered detections, so the same
+    numbers, with ==."""
     _, results = learned
-    assert (evaluated[1]["world_size"], evaluated[3]["world_size"]) == (1, 3)
-    assert evaluated[1]["val_samples"] == evaluated[3]["val_samples"] == 37
-    assert metrics_of(evaluated[1]) == metrics_of(results)
-    assert metrics_of(evaluated[3]) == metrics_of(evaluated[1])
+    assert [evaluated[run]["world_size"] for run in ("1", "3", "fsdp")] == [1, 3, 2]
+    assert evaluated["1"]["val_samples"] == evaluated["3"]["val_samples"] == evaluated["fsdp"]["val_samples"] == 37
+    assert metrics_of(evaluated["1"]) == metrics_of(results)
+    assert metrics_of(evaluated["3"]) == metrics_of(evaluated["1"])
+    assert metrics_of(evaluated["fsdp"]) == metrics_of(evaluated["1"])
 
 
 class LosesOnePrediction(DetectionTask):
