@@ -117,6 +117,29 @@ def check_images(coco: dict, source: Source) -> None:
                            "add them or point the key at the folder that holds them")
 
 
+def annotation_tensors(annotations: list[dict], label: dict[int, int]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """COCO annotations as tensors: their boxes as COCO's [x, y, w, h] (float64 N x 4), their labels
+    (int64, `label` maps a category id to its label) and their crowd flags (iscrowd, bool)."""
+    bboxes = torch.tensor([a["bbox"] for a in annotations], dtype=torch.float64).reshape(-1, 4)
+    labels = torch.tensor([label[a["category_id"]] for a in annotations], dtype=torch.int64)
+    crowd = torch.tensor([bool(a.get("iscrowd", 0)) for a in annotations], dtype=torch.bool)
+    return bboxes, labels, crowd
+
+
+def target_boxes(bboxes: torch.Tensor, labels: torch.Tensor, crowd: torch.Tensor, width: int,
+                 height: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """An image's annotations (annotation_tensors) as its target's XYXY boxes and labels: crowd regions
+    left out (the metric ignores them; a detector must not learn them as objects), boxes clipped to the
+    image (read_annotations let them overshoot by BOX_TOLERANCE_PX). data=webdataset's detection shards
+    make their targets here too, so they train as the folder does."""
+    keep = ~crowd
+    boxes = bboxes[keep].clone()
+    boxes[:, 2:] += boxes[:, :2]  # x, y, w, h -> x1, y1, x2, y2
+    boxes[:, 0::2] = boxes[:, 0::2].clamp(0, width)
+    boxes[:, 1::2] = boxes[:, 1::2].clamp(0, height)
+    return boxes, labels[keep]
+
+
 class CocoDetection(Dataset):
     """A split's images and annotations, as tensors: image index i's annotations are rows
     starts[i]:starts[i + 1] (sorted by image), boxes as COCO's [x, y, w, h]."""
@@ -139,10 +162,8 @@ class CocoDetection(Dataset):
         self.image_index = torch.tensor([position[a["image_id"]] for a in annotations], dtype=torch.int64)
         self.starts = torch.searchsorted(self.image_index, torch.arange(len(records) + 1))
         self.annotation_ids = torch.tensor([a["id"] for a in annotations], dtype=torch.int64)
-        self.labels = torch.tensor([label[a["category_id"]] for a in annotations], dtype=torch.int64)
-        self.bboxes = torch.tensor([a["bbox"] for a in annotations], dtype=torch.float64).reshape(-1, 4)
+        self.bboxes, self.labels, self.crowd = annotation_tensors(annotations, label)
         self.areas = torch.tensor([a.get("area", a["bbox"][2] * a["bbox"][3]) for a in annotations], dtype=torch.float64)
-        self.crowd = torch.tensor([bool(a.get("iscrowd", 0)) for a in annotations], dtype=torch.bool)
         self._ground_truth = None
 
     def __len__(self) -> int:
@@ -156,12 +177,8 @@ class CocoDetection(Dataset):
             raise self.images.error(f"{self.file_names[index]} is {image.width}x{image.height}, its annotation file says "
                                     f"{width}x{height}; fix the file's width and height or the image")
         rows = slice(self.starts[index], self.starts[index + 1])
-        keep = ~self.crowd[rows]
-        boxes = self.bboxes[rows][keep].clone()
-        boxes[:, 2:] += boxes[:, :2]  # x, y, w, h -> x1, y1, x2, y2
-        boxes[:, 0::2] = boxes[:, 0::2].clamp(0, width)  # within BOX_TOLERANCE_PX: clipped to the image
-        boxes[:, 1::2] = boxes[:, 1::2].clamp(0, height)
-        return detection_sample(self.transform, image, boxes, self.labels[rows][keep], self.sample_ids[index])
+        boxes, labels = target_boxes(self.bboxes[rows], self.labels[rows], self.crowd[rows], width, height)
+        return detection_sample(self.transform, image, boxes, labels, self.sample_ids[index])
 
     def coco_ground_truth(self) -> dict:
         """The split's ground truth in COCO's format, crowd regions included (iscrowd=1), boxes as the

@@ -2,19 +2,26 @@
 
 A sample is the tar members sharing a key (the member's path up to the first dot of its name): the
 image under one of IMAGE_EXTENSIONS (or a tensor under TENSOR_EXTENSION, which python -m data.shards
-writes for tensor datasets) and its label under `cls`, an ASCII integer. Random access goes through an
-index of each shard, `<shard>.idx.json` beside it: each sample's key, the image member's data offset
-and size, and the label. It is built on first use by whichever process needs it (written atomically,
-so ranks racing on it are safe) and checked against its shard's size and mtime on every use.
+writes for tensor datasets) and its label under `cls`, an ASCII integer; or, in detection shards
+(the converter's dataset.json says `"task": "detection"`), its target under `json`: the image's id and
+size and its annotations in COCO's form, crowd regions included. Random access goes through an index
+of each shard, `<shard>.idx.json` beside it: each sample's key, the image member's data offset and
+size, and the label (a detection sample's: its json member's [offset, size]). It is built on first use
+by whichever process needs it (written atomically, so ranks racing on it are safe) and checked against
+its shard's size and mtime on every use.
 
 Decoding, the label check, data.on_bad_sample and the transforms are EncodedImages' (data/encoded.py),
 with ImageFolder's transforms: shards written from an ImageFolder train to the very weights the folder
-does. Every bad input that can be seen at startup (a pattern matching no file, a shard that isn't a
-tar, a sample without an image or a label, a label outside the classes, a stale index, an interrupted
-conversion) is a one-line ConfigError before anything starts; an unreadable image is found mid-run."""
+does. Detection samples are ShardDetections', made as data/coco.py makes them, with its transforms:
+shards written from a COCO folder train to the very weights the folder does. Every bad input that can
+be seen at startup (a pattern matching no file, a shard that isn't a tar, a sample without an image or
+a label, a label outside the classes, a stale index, an interrupted conversion) is a one-line
+ConfigError before anything starts; an unreadable image is found mid-run."""
 
 import collections
+import inspect
 import io
+import itertools
 import json
 import logging
 import os
@@ -24,9 +31,14 @@ import tempfile
 from pathlib import Path
 
 import torch
+from torch.utils.data import Dataset
+from torchvision.transforms.v2.functional import get_size
 
 from data import DataSplits
-from data.encoded import EncodedImages
+from data.coco import annotation_tensors, target_boxes
+from data.detection_transforms import (MULTISCALE_SIZES, check_sizes, detection_collate, detection_sample,
+                                       eval_transforms, train_transforms)
+from data.encoded import EncodedImages, decode_image
 from data.presets import imagefolder_transforms
 from data.shard_cache import Prefetcher, ShardCache, is_remote
 from data.views import check_views
@@ -39,6 +51,7 @@ log = logging.getLogger(__name__)
 IMAGE_EXTENSIONS = ("jpg", "jpeg", "png", "webp", "ppm", "pgm", "bmp", "tif", "tiff")
 TENSOR_EXTENSION = "pth"  # torch.save of a float tensor, loaded with weights_only=True
 LABEL_EXTENSION = "cls"
+TARGET_EXTENSION = "json"  # a detection sample's target (python -m data.shards writes it for detection datasets)
 INDEX_SUFFIX = ".idx.json"
 INDEX_FORMAT = 1
 MANIFEST = "dataset.json"  # python -m data.shards writes it last: class names, shards and their sample counts
@@ -81,8 +94,9 @@ def split_member_name(name: str) -> tuple[str, str]:
 
 
 def build_index(shard: Path) -> dict:
-    """The shard's samples in their order: [key, image extension, data offset, size, label] each. Reads
-    the headers (tarfile seeks past the data) and each sample's small label member."""
+    """The shard's samples in their order: [key, image extension, data offset, size, label] each, the
+    label a detection sample's json member's [offset, size]. Reads the headers (tarfile seeks past the
+    data) and each sample's small label member."""
     members: dict[str, dict[str, tarfile.TarInfo]] = {}
     try:
         with tarfile.open(shard, mode="r:") as archive:
@@ -108,16 +122,20 @@ def _index_entry(shard: Path, archive: tarfile.TarFile, key: str, files: dict[st
         raise ConfigError(f"{shard}: sample {key} has no image (members: {', '.join(sorted(files))}; "
                           f"expected one of {', '.join(IMAGE_EXTENSIONS)}, or {TENSOR_EXTENSION}); "
                           "add it or remove the sample's members from the shard")
+    image = files[images[0]]
+    if LABEL_EXTENSION not in files and TARGET_EXTENSION in files:  # a detection sample: its target is read with it
+        target = files[TARGET_EXTENSION]
+        return [key, images[0], image.offset_data, image.size, [target.offset_data, target.size]]
     if LABEL_EXTENSION not in files:
         raise ConfigError(f"{shard}: sample {key} has no label (a {key}.{LABEL_EXTENSION} member holding the class "
-                          "as an integer); add it or remove the sample's members from the shard")
+                          f"as an integer, or a detection sample's {key}.{TARGET_EXTENSION} target); add it or remove "
+                          "the sample's members from the shard")
     text = archive.extractfile(files[LABEL_EXTENSION]).read().decode("ascii", "replace").strip()
     try:
         label = int(text)
     except ValueError:
         raise ConfigError(f"{shard}: sample {key}'s {LABEL_EXTENSION} holds {text[:40]!r}, not an integer class; "
                           "fix the label in the shard") from None
-    image = files[images[0]]
     return [key, images[0], image.offset_data, image.size, label]
 
 
@@ -149,7 +167,8 @@ def read_index(index_path: Path, name: str | None = None) -> dict:
     except (ValueError, KeyError, TypeError) as error:
         raise ConfigError(f"{name}: not a readable shard index ({type(error).__name__}: {error}); "
                           "delete the index to rebuild it from the shard") from None
-    if index_format != INDEX_FORMAT or any(offset + size > shard_bytes for _, _, offset, size, _ in samples):
+    if index_format != INDEX_FORMAT or any(offset + size > shard_bytes or (isinstance(label, list) and sum(label) > shard_bytes)
+                                           for _, _, offset, size, label in samples):
         raise ConfigError(f"{name}: disagrees with its shard (format {index_format}, or a sample beyond the shard's "
                           f"{shard_bytes} bytes); delete the index to rebuild it from the shard")
     return index
@@ -212,11 +231,19 @@ class ShardReader:
 
     def __getitem__(self, index: int) -> tuple[bytes, int]:
         shard_number, _, _, offset, size, label = self.samples[index]
+        return self._read(shard_number, offset, size, index), label
+
+    def target(self, index: int) -> bytes:
+        """A detection sample's json target (its index entry holds the member's [offset, size] as the label)."""
+        shard_number, *_, (offset, size) = self.samples[index]
+        return self._read(shard_number, offset, size, index)
+
+    def _read(self, shard_number: int, offset: int, size: int, index: int) -> bytes:
         data = os.pread(self._file(shard_number), size, offset)
         if len(data) != size:
             raise BadSample(f"{self.where(index)}: the shard ends before the sample ({len(data)} of {size} bytes); "
                             "the shard changed after its index was built: delete its index to rebuild it")
-        return data, label
+        return data
 
     def prefetch(self, shard_numbers: list[int]) -> None:
         """Start downloading these shards into the cache, in the background (remote shards only: a local
@@ -313,13 +340,18 @@ def check_against_manifest(manifest: dict, split: str, shards: list[str], indexe
                               f"{counts[name]}; write the shards again with python -m data.shards")
 
 
-def build_webdataset(train_shards: str, val_shards: str, image_size: int, augment: str | bool, random_erase: float,
-                     interpolation: str, on_bad_sample: str = "error", views: int = 1, num_classes: int | None = None,
-                     test_shards: str | None = None, cache_dir: str | None = None,
-                     cache_limit_gb: float | None = None) -> DataSplits:
+def build_webdataset(train_shards: str, val_shards: str, image_size: int = 224, augment: str | bool = "standard",
+                     random_erase: float = 0.0, interpolation: str = "bilinear", on_bad_sample: str = "error",
+                     views: int = 1, num_classes: int | None = None, test_shards: str | None = None,
+                     cache_dir: str | None = None, cache_limit_gb: float | None = None,
+                     multiscale_sizes: list[int] | None = None, multiscale_max_size: int | None = 1333,
+                     lsj_size: int = 1024) -> DataSplits:
     """The shards of each split (brace patterns, paths or http(s) URLs), decoded and transformed as
     data=imagefolder does. num_classes: data.num_classes, else the converter's dataset.json, else the
-    largest label + 1. Remote shards are read through a cache in cache_dir, within cache_limit_gb."""
+    largest label + 1. Remote shards are read through a cache in cache_dir, within cache_limit_gb.
+    Detection shards (their dataset.json says so) are read as data=coco reads its folder: `augment` is
+    one of its presets, multiscale_sizes, multiscale_max_size and lsj_size are its options (and take its
+    defaults), and the options that only one kind of shards takes stay at their defaults for the other."""
     check_views(views)
     if on_bad_sample not in ON_BAD_SAMPLE:
         raise ConfigError(f"data.on_bad_sample={on_bad_sample}: must be one of {' | '.join(ON_BAD_SAMPLE)}")
@@ -330,16 +362,25 @@ def build_webdataset(train_shards: str, val_shards: str, image_size: int, augmen
         raise ConfigError("data.cache_dir=null: http(s) shards are read from a local copy; set data.cache_dir to a "
                           "folder on a local disk that the ranks of a node share, e.g. data.cache_dir=/tmp/shards")
     manifest = read_manifest(shards["train"], "data.train_shards", cache)
+    detection = manifest is not None and manifest.get("task") == "detection"
+    if detection:
+        refuse_unused("detection", image_size=image_size, random_erase=random_erase, interpolation=interpolation,
+                      views=views, on_bad_sample=on_bad_sample)
+    else:
+        refuse_unused("classification", multiscale_sizes=multiscale_sizes, multiscale_max_size=multiscale_max_size,
+                      lsj_size=lsj_size)
     if manifest is not None and cache is not None:
         cache.expect(manifest_digests(manifest, shards))
-    readers = {}
+    readers, manifests = {}, {"train": manifest}
     for split, paths in shards.items():
-        if split != "train":
-            read_manifest(paths, f"data.{split}_shards", cache)  # an interrupted conversion there too
+        if split != "train":  # an interrupted conversion there too
+            manifests[split] = read_manifest(paths, f"data.{split}_shards", cache)
         indexes = [shard_index(path, cache) for path in paths]
         if manifest is not None:
             check_against_manifest(manifest, split, paths, indexes)
         readers[split] = ShardReader(paths, indexes, cache)
+    if detection:
+        return _detection_splits(readers, manifests, num_classes, augment, multiscale_sizes, multiscale_max_size, lsj_size)
     num_classes, class_names = _classes(readers, manifest, num_classes)
     tensors = readers["train"].extension(0) == TENSOR_EXTENSION if len(readers["train"]) else False
     if tensors:
@@ -357,8 +398,74 @@ def build_webdataset(train_shards: str, val_shards: str, image_size: int, augmen
                       test=splits.get("test"), class_names=class_names)
 
 
+def refuse_unused(kind: str, **options) -> None:
+    """Options that only the other kind of shards takes must be at build_webdataset's defaults: a value
+    set for them here would be ignored without a word."""
+    parameters = inspect.signature(build_webdataset).parameters
+    for key, value in options.items():
+        if value != parameters[key].default:
+            raise ConfigError(f"data.{key}={value}: these shards hold {kind} samples, which don't take it "
+                              f"(its default: {parameters[key].default}); remove data.{key}")
+
+
+def _detection_splits(readers: dict[str, ShardReader], manifests: dict[str, dict | None], num_classes: int | None,
+                      augment: str, multiscale_sizes: list[int] | None, multiscale_max_size: int | None,
+                      lsj_size: int) -> DataSplits:
+    """Detection shards' splits, as build_coco makes a folder's: training samples get the `augment`
+    preset (multiscale_sizes null: the references' 480, 512, ..., 800), the others none; classes are
+    the manifest's categories and the background."""
+    manifest = manifests["train"]
+    if num_classes is not None and num_classes != manifest["num_classes"]:
+        raise ConfigError(f"data.num_classes={num_classes}: detection shards' classes are their {MANIFEST}'s categories "
+                          f"and the background ({manifest['num_classes']}); remove data.num_classes")
+    multiscale_sizes = MULTISCALE_SIZES if multiscale_sizes is None else multiscale_sizes
+    check_sizes(multiscale_sizes, multiscale_max_size, lsj_size)
+    transforms = {"train": train_transforms(augment, multiscale_sizes, multiscale_max_size, lsj_size),
+                  "val": eval_transforms(), "test": eval_transforms()}
+    splits = {}
+    for split, reader in readers.items():
+        key = f"data.{split}_shards"
+        for index in range(len(reader)):
+            if not isinstance(reader.label(index), list):
+                raise ConfigError(f"{reader.where(index)}: a {LABEL_EXTENSION} label, no {TARGET_EXTENSION} target, in shards "
+                                  f"whose {MANIFEST} says detection; {key}: give shards that python -m data.shards wrote")
+        image_ids, image_sizes = shard_images(manifests[split], manifest["categories"], reader, key)
+        splits[split] = ShardDetections(reader, transforms[split], manifest["categories"], image_ids, image_sizes)
+    return DataSplits(splits["train"], splits["val"], num_classes=manifest["num_classes"], in_channels=3,
+                      test=splits.get("test"), class_names=manifest["class_names"])
+
+
+def shard_images(manifest: dict | None, categories: list[dict], reader: ShardReader, key: str) -> tuple[list, list]:
+    """(image ids, [width, height] of each image) of the reader's samples, from the dataset.json of
+    their folder, which lists them per split in sample order: a detection dataset's sample_ids and
+    aspect_ratios, without reading a sample. Its shards may be some of the split's, in any order."""
+    if manifest is None or manifest.get("task") != "detection" or manifest["categories"] != categories:
+        raise ConfigError(f"{key}: not detection shards of the train shards' categories (see the {MANIFEST} beside "
+                          "them); give shards that python -m data.shards wrote from the same detection dataset")
+    listed = {}
+    for split in manifest["splits"].values():
+        ends = list(itertools.accumulate(split["samples"]))
+        for name, start, end in zip(split["shards"], [0, *ends], ends):
+            listed[name] = (split["image_ids"][start:end], split["image_sizes"][start:end])
+    image_ids, image_sizes = [], []
+    for shard, count in zip(reader.shards, reader.shard_sizes):
+        ids, sizes = listed.get(shard.rsplit("/", 1)[-1], ([], []))
+        if len(ids) != count:
+            raise ConfigError(f"{shard}: holds {count} samples where the {MANIFEST} beside it lists {len(ids)}; "
+                              "write the shards again with python -m data.shards")
+        image_ids += ids
+        image_sizes += sizes
+    return image_ids, image_sizes
+
+
 def _classes(readers: dict[str, ShardReader], manifest: dict | None, num_classes: int | None):
     """(num_classes, class names or None), every label checked against the count here, at startup."""
+    for reader in readers.values():
+        for index in range(len(reader)):
+            if not isinstance(reader.label(index), int):
+                raise ConfigError(f"{reader.where(index)}: a detection sample (a {TARGET_EXTENSION} target, no "
+                                  f"{LABEL_EXTENSION} label) without the converter's {MANIFEST}, which says so; convert "
+                                  "the dataset with python -m data.shards")
     class_names = manifest.get("class_names") if manifest else None
     if num_classes is None:
         if manifest is not None:
@@ -382,3 +489,83 @@ def _tensor_transforms(augment: str | bool, views: int) -> dict:
         raise ConfigError(f"data.augment={augment}, data.views={views}: these shards hold tensors ({TENSOR_EXTENSION}), "
                           "which train as stored; set data.augment=none data.views=1")
     return {"train": None, "val": None, "test": None}
+
+
+class ShardDetections(Dataset):
+    """The (image, target) samples of detection shards, made as data/coco.py's CocoDetection makes a
+    folder's: the image decoded as it decodes a file (a pth sample: the stored uint8 tensor), the target
+    from the json's annotations by its own functions (crowd regions left out, boxes clipped to the
+    image), both through detection_sample. So shards of a COCO folder give its samples, bit for bit.
+    sample_ids and aspect_ratios come from dataset.json, without reading a sample; coco_ground_truth()
+    from the split's json targets, read once."""
+
+    collate_fn = staticmethod(detection_collate)  # images differ in size, targets in their number of boxes
+
+    def __init__(self, reader: ShardReader, transform, categories: list[dict], image_ids: list[int],
+                 image_sizes: list[list[int]]):
+        self.reader, self.transform = reader, transform
+        self.category_ids = [category["id"] for category in categories]
+        self.category_names = [category["name"] for category in categories]
+        self.label = {category_id: position + 1 for position, category_id in enumerate(self.category_ids)}
+        self.sample_ids = image_ids
+        self.aspect_ratios = [width / height for width, height in image_sizes]
+        self._ground_truth = None
+
+    @property
+    def shard_sizes(self) -> list[int]:
+        return self.reader.shard_sizes
+
+    @property
+    def prefetch(self):
+        return self.reader.prefetch
+
+    def __len__(self) -> int:
+        return len(self.reader)
+
+    def where(self, index: int) -> str:
+        return self.reader.where(index)
+
+    def target(self, index: int) -> dict:
+        """The sample's json target: image_id, width, height (file_name where its source has one) and
+        annotations, each COCO's id, category_id, bbox [x, y, w, h], area and iscrowd."""
+        try:
+            record = json.loads(self.reader.target(index))
+        except ValueError as error:
+            raise BadSample(f"{self.where(index)}: its {TARGET_EXTENSION} target isn't JSON ({error}); "
+                            "write the shard again with python -m data.shards") from None
+        unknown = {annotation["category_id"] for annotation in record["annotations"]} - self.label.keys()
+        if unknown:
+            raise BadSample(f"{self.where(index)}: category_id {min(unknown)} isn't one of {MANIFEST}'s categories; "
+                            "write the shards again with python -m data.shards")
+        return record
+
+    def __getitem__(self, index: int):
+        data, _ = self.reader[index]
+        record = self.target(index)
+        try:
+            image = load_tensor(data) if self.reader.extension(index) == TENSOR_EXTENSION else decode_image(data)
+        except (OSError, SyntaxError, ValueError) as error:  # what PIL raises for broken bytes
+            raise BadSample(f"{self.where(index)}: unreadable image ({type(error).__name__}: {error}); "
+                            "replace the sample") from None
+        width, height = record["width"], record["height"]
+        image_height, image_width = get_size(image)
+        if (image_width, image_height) != (width, height):  # the boxes would be in another image's pixels
+            raise BadSample(f"{self.where(index)}: the image is {image_width}x{image_height}, its {TARGET_EXTENSION} "
+                            f"target says {width}x{height}; write the shard again with python -m data.shards")
+        bboxes, labels, crowd = annotation_tensors(record["annotations"], self.label)
+        boxes, labels = target_boxes(bboxes, labels, crowd, width, height)
+        return detection_sample(self.transform, image, boxes, labels, record["image_id"])
+
+    def coco_ground_truth(self) -> dict:
+        """The split's ground truth in COCO's format, crowd regions included (iscrowd=1), boxes as stored:
+        what the source dataset's coco_ground_truth() gave the converter for these images. Made once."""
+        if self._ground_truth is None:
+            images, annotations = [], []
+            for index in range(len(self)):
+                record = self.target(index)
+                images.append({"id": record["image_id"],
+                               **{field: record[field] for field in ("width", "height", "file_name") if field in record}})
+                annotations += [{**annotation, "image_id": record["image_id"]} for annotation in record["annotations"]]
+            categories = [{"id": category_id, "name": name} for category_id, name in zip(self.category_ids, self.category_names)]
+            self._ground_truth = {"images": images, "annotations": annotations, "categories": categories}
+        return self._ground_truth
