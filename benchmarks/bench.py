@@ -6,7 +6,8 @@ under ddp, fsdp and hsdp, its saves' time in the loop, sync and async, and what 
 checkpointing keeps for the backward and costs; then integrity checks (benchmarks/integrity.py): a checkpoint's
 load with and without verification, a shard's download with and without its digest; then the shard readers
 (benchmarks/shard_readers.py): one epoch over HTTP, cold cache, data=webdataset's reader and cache against
-webdataset's wids.
+webdataset's wids; then detection (benchmarks/detection.py): train.py task=detection against a plain loop of
+torchvision's references' train_one_epoch on the same detector and data, images/s and peak memory.
 
 Every contender trains the same model on the same synthetic 3x32x32 data with Adam, batch 32 per
 process, one thread per process on CPU. The contenders run interleaved (A B C ... A B C ...),
@@ -38,6 +39,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).parent))
 import data_path  # noqa: E402 (benchmarks/ is no package)
+import detection  # noqa: E402
 import integrity  # noqa: E402
 import memory_scale  # noqa: E402
 import shard_readers  # noqa: E402
@@ -304,6 +306,8 @@ def main() -> None:
         checks = integrity.integrity_runs(integrity_settings, Path(scratch))
         readers_settings = shard_readers.READERS_QUICK if quick else shard_readers.READERS_FULL
         readers = shard_readers.reader_runs(readers_settings, Path(scratch)) if shard_readers.WIDS else None
+        detection_settings = detection.DETECTION_QUICK if quick else detection.DETECTION_FULL
+        detection_found = detection.detection_runs(detection_settings, Path(scratch))
     data_lines, data_rows = data_path.report(seeding, resumes, pipeline, data_settings)
     integrity_lines, integrity_rows = integrity.report(*checks, integrity_settings)
     if readers is not None:
@@ -311,8 +315,9 @@ def main() -> None:
     else:
         readers_lines, readers_rows = ["", "Shard readers skipped: wids is not installed (the optional extra: pip install -e '.[bench]', "
                                        "which make bench installs)."], []
-    table = report(chosen, settings, quick, data_lines + scale_lines + integrity_lines + readers_lines,
-                   data_rows + scale_rows + integrity_rows + readers_rows)
+    detection_lines, detection_rows = detection.report(detection_found, detection_settings)
+    table = report(chosen, settings, quick, data_lines + scale_lines + integrity_lines + readers_lines + detection_lines,
+                   data_rows + scale_rows + integrity_rows + readers_rows + detection_rows)
     args.out.mkdir(parents=True, exist_ok=True)
     stem = args.out / f"{socket.gethostname()}-{date.today()}{'-quick' if quick else ''}"
     Path(f"{stem}.md").write_text(table + f"\n![throughput]({stem.name}.png)\n")

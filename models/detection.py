@@ -128,10 +128,12 @@ class PerImageSampler(BalancedPositiveNegativeSampler):
 def seed_samplers(model: nn.Module, seeds: list[int] | None, device: torch.device) -> None:
     """Give the model's PerImageSamplers one generator per image of the next forward, seeded by `seeds`
     (the RPN then the ROI heads draw from it, in that order); None: back to the global RNG."""
+    samplers = [module.fg_bg_sampler for module in model.modules() if isinstance(getattr(module, "fg_bg_sampler", None), PerImageSampler)]
+    if not samplers:  # FCOS, RetinaNet, SSD: nothing samples
+        return
     generators = None if seeds is None else [torch.Generator(device=device).manual_seed(seed) for seed in seeds]
-    for module in model.modules():
-        if isinstance(getattr(module, "fg_bg_sampler", None), PerImageSampler):
-            module.fg_bg_sampler.generators = generators
+    for sampler in samplers:
+        sampler.generators = generators
 
 
 def check_options(name: str, options: dict) -> None:

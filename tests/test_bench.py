@@ -44,7 +44,9 @@ def test_quick_bench_writes_the_table_the_ratios_and_a_plot(tmp_path):
     for ratio in ("train.py DDP / plain loop, throughput, small_cnn", "train.py DDP / plain loop, whole-process wall time",
                   "weak scaling", "per-sample seeding", "resume cost", "input pipeline: local shards, 1 worker / in-memory",
                   "input pipeline: HTTP shards, warm cache, 1 worker / in-memory", "input pipeline: files, 2 workers / 1 worker",
-                  "activation_checkpointing=full / none, bytes kept"):
+                  "activation_checkpointing=full / none, bytes kept",
+                  "detection: train.py / plain loop (references' train_one_epoch), images/s, small_fcos",
+                  "detection: train.py / plain loop, peak memory (peak RSS), small_fcos"):
         assert re.search(rf"\| {re.escape(ratio)}[^|]* \| \d+\.\d{{3}} \|", text), ratio
     (row,) = [line for line in text.splitlines() if line.startswith("| fsdp async | ")]  # memory and scale, quick: one run
     assert float(row.split("|")[2]) > 0 and float(row.split("|")[3]) > 0, row
@@ -58,8 +60,8 @@ def test_quick_bench_writes_the_table_the_ratios_and_a_plot(tmp_path):
 
 def test_every_contender_of_the_full_bench_composes_and_its_ratios_come_out():
     """`make bench` takes 21 minutes, so no test runs it whole: each train.py command it would run (syncbn=true,
-    bf16, channels_last, dp and fsdp too, and the memory-and-scale section's ViT under ddp, fsdp and hsdp on 4
-    processes) composes and passes train.py's checks, and its report, from made-up
+    bf16, channels_last, dp and fsdp too, the memory-and-scale section's ViT under ddp, fsdp and hsdp on 4
+    processes, and the detection section's detectors) composes and passes train.py's checks, and its report, from made-up
     measurements, has every ratio row with the ratio of those numbers (syncbn's: ddp's throughput over ddp
     syncbn's)."""
     bench = load_bench()
@@ -76,6 +78,11 @@ def test_every_contender_of_the_full_bench_composes_and_its_ratios_come_out():
             argv = bench.memory_scale.command(strategy, scale, Path("run"))
             overrides = [arg for arg in argv[argv.index(str(REPO / "train.py")) + 1:] if not arg.startswith("hydra.")]
             validate(compose("config", overrides=overrides), launched=True, world_size=scale.processes)
+        detection = bench.detection.DETECTION_FULL
+        for model in detection.models:  # the detection section's train.py runs, one process each
+            argv = bench.detection.command("train.py", model, detection, Path("run"))
+            overrides = [arg for arg in argv[argv.index(str(REPO / "train.py")) + 1:] if not arg.startswith("hydra.")]
+            validate(compose("config", overrides=overrides), launched=False, world_size=1)
     for contender in (c for c in chosen if c.model == "tiny_cnn"):  # steps of milliseconds: 300 timed, every contender
         argv = bench.command(contender, bench.FULL, Path("run"))
         samples = next((int(arg.split("=")[1]) for arg in argv if arg.startswith("data.num_samples=")), None)
@@ -146,6 +153,14 @@ def test_every_contender_of_the_full_bench_composes_and_its_ratios_come_out():
     assert scale_rows["activation_checkpointing=full / none, bytes kept for the backward, vit"] == pytest.approx(0.1)
     assert scale_rows["activation_checkpointing=full / none, step time, vit, 1 thread"] == pytest.approx(1.3)
     assert "| hsdp | 60.0 | 1.000 | 264 |" in lines
+    # detection: made-up runs (images/s, peak MB) of train.py and the plain loop, each model's ratios of their medians
+    runs = {(model, name): [{"samples_per_s": 50.0 + 2 * index, "peak_memory_mb": 700.0 + 10 * index, "wall_s": 10.0}]
+            for model in bench.detection.DETECTION_FULL.models for index, name in enumerate(bench.detection.CONTENDERS)}
+    _, detection_rows = bench.detection.report(runs, bench.detection.DETECTION_FULL)
+    detection_rows = {what: ratio for what, ratio, _ in detection_rows}
+    for model in bench.detection.DETECTION_FULL.models:
+        assert detection_rows[f"detection: train.py / plain loop (references' train_one_epoch), images/s, {model}"] == pytest.approx(52 / 50)
+        assert detection_rows[f"detection: train.py / plain loop, peak memory (peak RSS), {model}"] == pytest.approx(710 / 700)
 
 
 def test_time_spent_waiting_for_batches_is_the_data_wait():
