@@ -134,18 +134,18 @@ def test_coco_metrics_are_equal_at_world_sizes_1_2_3_under_ddp_and_fsdp_and_mode
 
 
 class LosesOnePrediction(DetectionTask):
-    """The detections of the first image of each evaluation, dropped: as a bug in a gather would."""
+    """The detections of the first image of an evaluation, dropped (or given twice): as a bug in a gather would."""
 
-    dropped = False
+    changed, twice = False, False
 
     def eval_step(self, model, batch):
         sums, records = super().eval_step(model, batch)
-        if not self.dropped:
-            self.dropped, records = True, records[1:]
+        if not self.changed:
+            self.changed, records = True, records + records[:1] if self.twice else records[1:]
         return sums, records
 
 
-def test_an_image_without_its_predictions_is_an_error_not_a_smaller_score():
+def test_an_image_without_its_predictions_or_with_them_twice_is_an_error_not_another_score():
     splits = build_detection_shapes(num_samples=8, num_val_samples=5, image_size=32)
     loader = build_val_loader(splits.val, compose_data(), DistEnv(), pin_memory=False)
     model = build_detection_model(splits.num_classes, 3, "small_fcos")
@@ -153,6 +153,10 @@ def test_an_image_without_its_predictions_is_an_error_not_a_smaller_score():
     assert complete["val_samples"] == 5
     with pytest.raises(IncompleteEvaluation, match="4 distinct samples have predictions, of the 5 evaluated"):
         evaluate(model, loader, torch.device("cpu"), -1, LosesOnePrediction(splits.num_classes))
+    repeats = LosesOnePrediction(splits.num_classes)
+    repeats.twice = True
+    with pytest.raises(IncompleteEvaluation, match=r"5 distinct samples .* of the 5 evaluated; counted more than once: \[1\]"):
+        evaluate(model, loader, torch.device("cpu"), -1, repeats)
 
 
 def compose_data():

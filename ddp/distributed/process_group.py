@@ -7,8 +7,8 @@ import itertools
 import logging
 import os
 from collections.abc import Callable, Iterator
-from typing import Any
 from datetime import timedelta
+from typing import Any
 
 import torch
 import torch.distributed as dist
