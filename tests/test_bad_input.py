@@ -179,6 +179,10 @@ OUR_ERRORS = {
         [*DETECTION, *SHAPES, "model=detection", "model.name=fasterrcnn_resnet_50"], "model.name=fasterrcnn_resnet_50",
         "not a detector here", None,
     ),
+    "misspelt_detector_option": (
+        [*DETECTION, *SHAPES, *SMALL_FCOS, "+model.kwargs.score_tresh=0.1"], "model.kwargs.score_tresh",
+        "not an option of small_fcos (FCOS); did you mean model.kwargs.score_thresh?", None,
+    ),
     "detection_with_a_classification_model": (
         [*DETECTION, *SHAPES, "model=small_cnn"], "model", "task=detection trains a detector, and SmallCNN is none; set model=detection",
         None,

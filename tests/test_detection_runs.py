@@ -190,3 +190,19 @@ def test_two_ranks_of_batch_2_train_what_one_process_of_batch_4_does(name, tmp_p
     worst = max((ddp[key].double() - single[key].double()).abs().max().item() for key in ddp)
     for key in ddp:
         torch.testing.assert_close(ddp[key], single[key], msg=lambda m, key=key: f"{key}: {m} (max difference {worst:g})")
+
+
+def test_syncbn_converts_a_detectors_batchnorm_and_leaves_frozen_batchnorm_frozen():
+    """model.frozen_batchnorm=true gives the backbone FrozenBatchNorm2d (a pretrained backbone's), which
+    syncbn=true's conversion leaves as it is; the BatchNorm of a detector built without it is converted."""
+    from torchvision.ops import FrozenBatchNorm2d
+
+    from ddp.distributed.syncbn import CPUSyncBatchNorm, convert_syncbn
+
+    frozen = convert_syncbn(build_detection_model(4, 3, "small_fasterrcnn", frozen_batchnorm=True), torch.device("cpu"))
+    kinds = [type(module) for module in frozen.backbone.modules() if "BatchNorm" in type(module).__name__]
+    assert kinds and set(kinds) == {FrozenBatchNorm2d}
+    assert all(not parameter.requires_grad for module in frozen.modules() if isinstance(module, FrozenBatchNorm2d)
+               for parameter in module.parameters())
+    trained = convert_syncbn(build_detection_model(4, 3, "small_fasterrcnn"), torch.device("cpu"))
+    assert {type(module) for module in trained.modules() if "BatchNorm" in type(module).__name__} == {CPUSyncBatchNorm}
