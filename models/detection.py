@@ -83,17 +83,18 @@ def build_detection_model(num_classes: int, in_channels: int, name: str, min_siz
 class GlobalForegroundFCOSHead(FCOSHead):
     """FCOS's losses divided by the foreground count of the whole global batch, summed over the ranks
     (detectron2 does the same), instead of this rank's: DDP averages the ranks' gradients, so that
-    2 ranks x B then train as 1 x 2B does. One all_reduce of a number per training forward; none
-    without a process group, where the losses are torchvision's."""
+    2 ranks x B then train as 1 x 2B does. One all_reduce of a number per training forward, on the device
+    (torchvision's own count reads it to the host, once); none without a process group, where the losses
+    are torchvision's."""
 
     def compute_loss(self, targets, head_outputs, anchors, matched_idxs):
         losses = super().compute_loss(targets, head_outputs, anchors, matched_idxs)
         if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() == 1:
             return losses
-        local = sum(int((matched >= 0).sum()) for matched in matched_idxs)
-        total = torch.tensor([float(local)], device=head_outputs["cls_logits"].device)
+        local = sum((matched >= 0).sum() for matched in matched_idxs).float()  # on the device: no host sync of ours
+        total = local.clone()
         dist.all_reduce(total)
-        scale = max(1, local) * dist.get_world_size() / max(1.0, total.item())  # torchvision divided by max(1, local)
+        scale = local.clamp(min=1) * dist.get_world_size() / total.clamp(min=1)  # torchvision divided by max(1, local)
         return {name: loss * scale for name, loss in losses.items()}
 
 
