@@ -153,14 +153,16 @@ def test_every_contender_of_the_full_bench_composes_and_its_ratios_come_out():
     assert scale_rows["activation_checkpointing=full / none, bytes kept for the backward, vit"] == pytest.approx(0.1)
     assert scale_rows["activation_checkpointing=full / none, step time, vit, 1 thread"] == pytest.approx(1.3)
     assert "| hsdp | 60.0 | 1.000 | 264 |" in lines
-    # detection: made-up runs (images/s, peak MB) of train.py and the plain loop, each model's ratios of their medians
-    runs = {(model, name): [{"samples_per_s": 50.0 + 2 * index, "peak_memory_mb": 700.0 + 10 * index, "wall_s": 10.0}]
-            for model in bench.detection.DETECTION_FULL.models for index, name in enumerate(bench.detection.CONTENDERS)}
+    # detection: made-up runs (images/s, peak MB) of the plain loop and train.py, 3 repeats; a ratio is the median of
+    # the repeats' own ratios (0.9, 1.1, 1.1: 1.1), not the ratio of the medians (45 / 50)
+    made_up = {"plain loop": [(50.0, 700.0), (100.0, 800.0), (40.0, 700.0)], "train.py": [(45.0, 700.0), (110.0, 808.0), (44.0, 707.0)]}
+    runs = {(model, name): [{"samples_per_s": speed, "peak_memory_mb": memory, "wall_s": 10.0} for speed, memory in made_up[name]]
+            for model in bench.detection.DETECTION_FULL.models for name in bench.detection.CONTENDERS}
     _, detection_rows = bench.detection.report(runs, bench.detection.DETECTION_FULL)
     detection_rows = {what: ratio for what, ratio, _ in detection_rows}
     for model in bench.detection.DETECTION_FULL.models:
-        assert detection_rows[f"detection: train.py / plain loop (references' train_one_epoch), images/s, {model}"] == pytest.approx(52 / 50)
-        assert detection_rows[f"detection: train.py / plain loop, peak memory (peak RSS), {model}"] == pytest.approx(710 / 700)
+        assert detection_rows[f"detection: train.py / plain loop (references' train_one_epoch), images/s, {model}"] == pytest.approx(1.1)
+        assert detection_rows[f"detection: train.py / plain loop, peak memory (peak RSS), {model}"] == pytest.approx(1.01)
 
 
 def test_time_spent_waiting_for_batches_is_the_data_wait():
