@@ -53,9 +53,9 @@ train: $(call installed) ## Train the default run (small_cnn on digits, one devi
 # through sudo without a password; without either it says what is missing, and those tests skip (docs/tests.md).
 # TEST_SETUP= runs the suite without it.
 TEST_SETUP ?= scripts/test-setup.sh
-test: $(call installed,test) ## Set up a browser and a one-node SLURM where missing (root), then run the whole test suite (CPU, gloo, real torchrun processes), three test processes at a time
+test: $(call installed,test) ## Set up a browser and a one-node SLURM where missing (root), then run the whole test suite (CPU, gloo, real torchrun processes), four test processes at a time
 	$(TEST_SETUP)
-	$(PY) -m pytest -q -n 3 --dist worksteal
+	$(PY) -m pytest -q -n 4 --dist worksteal
 
 smoke-test: $(call installed) ## Eight short CPU runs: single, dp, torchrun ddp with SyncBN, the bf16/accumulation/cosine/EMA/MixUp recipe, and segmentation, detection, distillation and SimCLR on 2 ranks with SyncBN
 	$(PY) train.py strategy=single $(SMOKE)

@@ -59,7 +59,7 @@ def test_quick_bench_writes_the_table_the_ratios_and_a_plot(tmp_path):
 
 
 def test_every_contender_of_the_full_bench_composes_and_its_ratios_come_out():
-    """`make bench` takes 21 minutes, so no test runs it whole: each train.py command it would run (syncbn=true,
+    """`make bench` takes about an hour, so no test runs it whole: each train.py command it would run (syncbn=true,
     bf16, channels_last, dp and fsdp too, the memory-and-scale section's ViT under ddp, fsdp and hsdp on 4
     processes, and the detection section's detectors) composes and passes train.py's checks, and its report, from made-up
     measurements, has every ratio row with the ratio of those numbers (syncbn's: ddp's throughput over ddp

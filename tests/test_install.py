@@ -62,7 +62,7 @@ def test_make_test_installs_the_test_extras_which_serve_every_other_target(venv)
     setup = venv / "bin" / "test-setup"
     setup.write_text('#!/bin/sh\necho test-setup >> "$(dirname "$0")/../commands.log"\n')
     setup.chmod(0o755)
-    assert make(venv, "test", f"TEST_SETUP={setup}") == [*install(venv, "[test]"), "test-setup", "python -m pytest -q -n 3 --dist worksteal"]
+    assert make(venv, "test", f"TEST_SETUP={setup}") == [*install(venv, "[test]"), "test-setup", "python -m pytest -q -n 4 --dist worksteal"]
     assert make(venv, "mlflow-ui", "MLFLOW_PORT=5999")[0].startswith("mlflow ui --backend-store-uri sqlite:///")
     for target in (["train"], ["bench"], ["install", "EXTRAS=mlflow"], ["install", "EXTRAS=mlflow,wandb"]):
         assert not [command for command in make(venv, *target) if " install " in command], target
@@ -75,7 +75,7 @@ def test_make_test_sets_up_the_machine_with_the_projects_script_after_the_instal
                             capture_output=True, text=True, timeout=60)
     assert result.returncode == 0, result.stdout + result.stderr
     lines = result.stdout.splitlines()
-    assert lines[-2:] == ["scripts/test-setup.sh", f"{venv}/bin/python -m pytest -q -n 3 --dist worksteal"], lines
+    assert lines[-2:] == ["scripts/test-setup.sh", f"{venv}/bin/python -m pytest -q -n 4 --dist worksteal"], lines
     assert any(" install " in line for line in lines[:-2]), lines
 
 

@@ -26,7 +26,7 @@ from data.voc import build_voc
 from test_fault_tolerance import assert_bit_identical, last_checkpoint, torchrun
 from test_segmentation import _write_voc
 
-# 1 thread per process: the suite runs two test processes on two cores, and a second thread per
+# 1 thread per process: the suite runs several test processes on two cores, and a second thread per
 # process made a training step ~30x slower there (torchrun sets the same for its workers).
 ONE_THREAD = {"OMP_NUM_THREADS": "1"}
 
