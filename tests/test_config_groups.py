@@ -3,6 +3,7 @@ is frozen; the schema rejects mistyped values when the config is composed."""
 
 import inspect
 import runpy
+import subprocess
 import sys
 from typing import Literal
 
@@ -341,6 +342,16 @@ def test_digits_is_a_fixed_partition_of_all_1797_images():
         assert torch.equal(a, b)
     other = build_datasets(compose_config("data=digits", "data.split_seed=1").data)
     assert not torch.equal(other.val.tensors[0], val_x)
+
+
+def test_the_recipe_and_digits_never_import_scikit_learn():
+    """Its import, scipy's with it, costs about 1.5 s of CPU in every rank of every run: digits reads the file it
+    bundles instead (the test above: the same images and labels as load_digits)."""
+    code = ("import sys, train; from data.digits import build_digits; build_digits(0.2, 0); "
+            "print(sorted(name for name in sys.modules if name.split('.')[0] in ('sklearn', 'scipy')))")
+    result = subprocess.run([sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True, timeout=300)
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.strip() == "[]", result.stdout
 
 
 def test_synthetic_is_deterministic_with_configured_shapes():
