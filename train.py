@@ -12,9 +12,8 @@ import time
 from collections.abc import Iterator
 from pathlib import Path
 
-if __name__ in ("__main__", "__mp_main__") and "torch" not in sys.modules:  # a rank, or one our launcher spawned:
-    gc.disable()  # Python's garbage collector waits out the imports, torch.optim's first use of torch._dynamo's too
-    import torch._dynamo  # noqa: F401
+if __name__ in ("__main__", "__mp_main__") and "torch" not in sys.modules:  # a rank (__mp_main__: our launcher's)
+    gc.disable()  # Python's garbage collector waits out the imports
 import hydra
 import torch
 from hydra.core.hydra_config import HydraConfig
@@ -203,7 +202,8 @@ def train_one_epoch(update: UpdateStep, batches, epoch_batches: int, position: P
             record_batch(batch_index, position.global_step + 1)  # the update this batch counts toward
         first_batch = batch_index if first_batch is None else first_batch
         aligned_start = batch_index - batch_index % length.accumulate
-        group_start = max(aligned_start, first_batch)  # a resume at another world size may land inside a group: it starts there
+        # a resume at another world size may land inside a group: that group starts where the resume does
+        group_start = max(aligned_start, first_batch)
         group_size = min(aligned_start + length.accumulate, epoch_batches) - group_start
         loss = update.micro_step(batch, batch_index - group_start, group_size)
         position.batch_in_epoch, samples = batch_index + 1, batch_size(batch)

@@ -137,8 +137,8 @@ def set_up_process(deterministic: bool, keep_freed_memory: bool) -> None:
 
 def collect_after_imports() -> None:
     """Python's cyclic garbage collector back on, where train.py turned it off for a rank's imports, leaving what they
-    made out of its scans (gc.freeze). A rank's imports (torch, torch._dynamo, Hydra, torchvision where imported) make
-    about 540,000 objects that live as long as the process: the collector scanned them again and again as they came (0.8 s
+    made out of its scans (gc.freeze). A rank's imports (torch, Hydra, torchvision where imported) make 300,000 to
+    570,000 objects that live as long as the process: the collector scanned them again and again as they came (0.8 s
     of CPU a rank, of 3.7 s), at every full collection of the run (0.2 s each) and at the interpreter's exit (0.7 s).
     Called at the end of the imports, not later: a frozen object is never collected, nor what it refers to, and a
     frame of the run frozen with it (run's own, say, kept by a frame that a caught exception left in a cycle) would
