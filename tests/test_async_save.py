@@ -87,10 +87,13 @@ def test_a_rank_killed_during_a_background_write_resumes_from_the_checkpoint_bef
 def test_sigterm_during_a_background_write_exits_once_it_is_complete_and_the_resume_continues(sweep, strategy, tmp_path):
     """Step 10's write waits 6 s; SIGTERM to torchrun as it starts. The ranks stop at the next step, wait for step 10's
     write, save the stop's step and exit; both checkpoints are complete and verified, and a resume from the run dir
-    ends bit-identical to the uninterrupted run."""
+    ends bit-identical to the uninterrupted run. Rank 1's every step takes 1 s longer (fault.slow_rank, a sleep: it
+    changes no number), so that the signal, on a loaded machine too, comes before step 15's save, the last before
+    the run's end at step 16 (it took milliseconds to get there from step 10, and a test failed once)."""
     run_dir = tmp_path / "outputs" / "run"
     process = start([str(TORCHRUN), "--nproc_per_node=2", "--shutdown-timeout=60", str(TRAIN), *ASYNC, f"strategy={strategy}",
-                     "fault.slow_save_step=10", "fault.slow_save_s=6", "hydra.run.dir=outputs/run"], tmp_path)
+                     "fault.slow_save_step=10", "fault.slow_save_s=6", "fault.slow_rank=1", "fault.slow_ms=1000",
+                     "hydra.run.dir=outputs/run"], tmp_path)
     log_file = run_dir / "train_rank0.log"
     slow_write = "fault.slow_save_step=10: its background write waits 6 s first"
     returncode = sigterm_when(process, lambda: log_file.exists() and slow_write in log_file.read_text(),
