@@ -48,10 +48,12 @@ class DataSettings:
     image_size: int = 64
     pipeline_size: int = 224  # the input pipeline's crops, ImageNet's training size
     samples_per_shard: int = 250
+    resume_workers: int = 2  # the resume rows' loader workers (quick: none, the tool's path only; each worker pool adds a process)
 
 
 DATA_FULL = DataSettings(images=2000, loader_images=960, repeats=5, pipeline_repeats=15)
-DATA_QUICK = DataSettings(images=64, loader_images=64, repeats=1, pipeline_repeats=1, batch_size=8, pipeline_size=32, samples_per_shard=16)
+DATA_QUICK = DataSettings(images=64, loader_images=64, repeats=1, pipeline_repeats=1, batch_size=8, pipeline_size=32, samples_per_shard=16,
+                          resume_workers=0)
 # what a loader reads from, at 1 and 2 workers (cold HTTP: at 1, its cache emptied before each repeat)
 PIPELINE = [("files", 1), ("local shards", 1), ("HTTP shards, cold cache", 1), ("HTTP shards, warm cache", 1), ("hf Arrow", 1),
             ("files", 2), ("local shards", 2), ("HTTP shards, warm cache", 2), ("hf Arrow", 2)]
@@ -114,7 +116,7 @@ def resume_cost(root: Path, settings: DataSettings, scratch: Path) -> dict[str, 
     """{"10%" | "90%": seconds from launch to the end of the first update of a resume, per repeat}."""
     steps_per_epoch = settings.images // settings.batch_size
     common = ["data=imagefolder", f"data.root={root}", f"data.image_size={settings.image_size}", f"data.batch_size={settings.batch_size}",
-              "data.num_workers=2", "model.channels=[16,32]", "checkpoint.keep_best=0", "trainer.log_every_n_steps=1"]
+              f"data.num_workers={settings.resume_workers}", "model.channels=[16,32]", "checkpoint.keep_best=0", "trainer.log_every_n_steps=1"]
     env = os.environ | {"OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}
     checkpoints = {}
     scratch.mkdir(exist_ok=True)
