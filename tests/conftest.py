@@ -409,7 +409,7 @@ def _kill_and_restart_past_a_pruning_launch(cwd: Path) -> dict:
     restart a plain launch in the same working dir prunes the claims it can prove dead, this one made
     to look two days old: its agent lives, so it must stay. Then the agent goes on (SIGCONT) and
     restarts both ranks, which resume from the step-5 checkpoint in their own run dir.
-    Returns that run dir (relative to `cwd`) and torchrun's stdout."""
+    Returns that run dir (relative to `cwd`), torchrun's stdout and its stderr."""
     from ddp.jobs.dir_lock import lock_holder
 
     command = [str(TORCHRUN), "--nproc_per_node=2", "--max-restarts=1", str(TRAIN), *EXACT_DDP, "fault.kill_rank=1",
@@ -444,16 +444,17 @@ def _kill_and_restart_past_a_pruning_launch(cwd: Path) -> dict:
             agent.send_signal(signal.SIGCONT)
             agent.kill()
             agent.wait()
-    return {"run_dir": claimed, "stdout": (cwd / "torchrun.out").read_text()}  # the claim is gone with its launch
+    return {"run_dir": claimed, "stdout": (cwd / "torchrun.out").read_text(),  # the claim is gone with its launch
+            "stderr": (cwd / "torchrun.err").read_text()}
 
 
 @pytest.fixture(scope="session")
 def killed_and_restarted(tmp_path_factory):
-    """_kill_and_restart_past_a_pruning_launch, once: (its run dir, torchrun's stdout). Read by
+    """_kill_and_restart_past_a_pruning_launch, once: (its run dir, torchrun's stdout, its stderr). Read by
     tests/test_fault_tolerance.py (the restart ends bit-identical) and tests/test_run_dirs.py (the
     restart keeps its dir while the other launch prunes claims)."""
     cwd, result = shared_run("killed_and_restarted", _kill_and_restart_past_a_pruning_launch, tmp_path_factory)
-    return cwd / result["run_dir"], result["stdout"]
+    return cwd / result["run_dir"], result["stdout"], result["stderr"]
 
 
 # --- What didn't run here ---------------------------------------------------------------------------------

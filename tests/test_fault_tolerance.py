@@ -127,7 +127,7 @@ def reference(exact_ddp_reference):
 @pytest.fixture(scope="module")
 def killed_and_resumed(killed_and_restarted):
     """SIGKILL on rank 1 at step 7 (after the step-5 checkpoint), one restart allowed: (run dir, its
-    console output). Before the restart another launch runs in the same working dir (the run is
+    console's stdout, its stderr). Before the restart another launch runs in the same working dir (the run is
     tests/conftest.py's, which tests/test_run_dirs.py reads too): the run dir survives the restart
     all the same, one dir, not one per attempt."""
     return killed_and_restarted
@@ -135,8 +135,9 @@ def killed_and_resumed(killed_and_restarted):
 
 def test_killed_rank_is_restarted_and_ends_bit_identical(reference, killed_and_resumed):
     """torchrun restarts both workers once, they resume from step 5 in the same run dir, and the
-    run ends exactly where the uninterrupted one does."""
-    run_dir, stdout = killed_and_resumed
+    run ends exactly where the uninterrupted one does. Rank 0, whose collective failed when rank 1 ended, says so in one
+    line, without a traceback."""
+    run_dir, stdout, stderr = killed_and_resumed
     assert_bit_identical(last_checkpoint(run_dir), reference[1])
 
     logs = [rank_log(run_dir, rank) for rank in (0, 1)]
@@ -147,6 +148,8 @@ def test_killed_rank_is_restarted_and_ends_bit_identical(reference, killed_and_r
         assert resumed == [str(run_dir / "checkpoints" / "last.pt")], text
         assert text.count("resumed from") == 1, text
     assert stdout.count("resumed from") == 1, stdout[-5000:]  # console: rank 0 only
+    lost_peer = "error: rank 0: another rank ended during a collective, so this one stops too (gloo: "
+    assert stderr.count(lost_peer) == 1 and "Traceback" not in stderr and "Error executing job" not in stderr, stderr[-5000:]
 
 
 def test_tensorboard_has_every_step_once_after_kill_and_resume(reference, killed_and_resumed):
@@ -154,7 +157,7 @@ def test_tensorboard_has_every_step_once_after_kill_and_resume(reference, killed
     reader sees each train/loss step exactly once, with the same values as the reference."""
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
-    run_dir, _ = killed_and_resumed
+    run_dir, _, _ = killed_and_resumed
     event_files = sorted(run_dir.glob("events.out.tfevents*"))
     assert len(event_files) == 2, event_files  # one per attempt
 
@@ -177,7 +180,7 @@ def test_tensorboard_has_every_step_once_after_kill_and_resume(reference, killed
 def test_exhausted_restart_budget_fails_names_the_raising_rank_keeps_the_last_checkpoint_and_a_corrupt_one_falls_back(reference, tmp_path):
     """Rank 1 raises at step 12 on every attempt; after the one allowed restart (which resumed from
     step 10) torchrun gives up fast (well within NO_HANG_S, not strategy.timeout_s) and names that rank
-    and its error as the root cause, and the checkpoints of steps 5 and 10 are intact. Then last.pt is
+    and its error as the root cause (rank 0's lost peer adds no traceback), and the checkpoints of steps 5 and 10 are intact. Then last.pt is
     corrupted: resume=auto skips it (and step 10, the same file), resumes from step 5 and ends
     bit-identical to the reference. (One run for three stories: a raising rank, a restart budget used up,
     and a failure that leaves checkpoints behind. A SIGKILLed rank and its restart: test 1 above.)"""
@@ -190,6 +193,8 @@ def test_exhausted_restart_budget_fails_names_the_raising_rank_keeps_the_last_ch
     root_cause = result.stderr.split("Root Cause", 1)[1].split("=" * 20, 1)[0]
     assert re.search(r"rank\s*:\s*1 \(local_rank: 1\)", root_cause), root_cause
     assert "RuntimeError: injected fault: fault.raise_rank=1 at step 12" in root_cause, root_cause
+    # rank 0, whose collective failed when rank 1 ended, adds no traceback of its own, nor one to torchrun's summary
+    assert "gloo/transport/tcp" not in result.stderr, output(result)
     run_dir = tmp_path / "outputs" / "run"
     for rank in (0, 1):
         assert rank_log(run_dir, rank).count("process group up") == 2  # two attempts

@@ -149,7 +149,7 @@ def test_a_restart_of_a_days_old_run_keeps_its_dir_while_another_launch_prunes_c
     agent stopped), a plain launch in the same working dir prunes the claims it can prove dead. This
     claim's agent lives: the restart resumes in its own dir from the step-5 checkpoint. (The run is
     tests/conftest.py's killed_and_restarted, which tests/test_fault_tolerance.py reads too.)"""
-    run_dir, _ = killed_and_restarted
+    run_dir, _, _ = killed_and_restarted
     assert len(run_dirs(run_dir.parent.parent)) == 2  # the restarted run's and the other launch's
     assert "at epoch 0, batch 5, step 5" in (run_dir / "train_rank0.log").read_text()
     assert last_checkpoint(run_dir)["global_step"] == 16

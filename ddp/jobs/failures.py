@@ -1,6 +1,7 @@
 """How a job ends when its run fails or is interrupted: a config error (its run dir put back as it was,
 and under torchrun one line for a refusal that every rank meets alike), divergence, a full disk or CUDA
-out of memory (with profiler.memory_history) as one line and exit 1 (said by rank 0 where the ranks agreed on it), a sweep's job failing alone (without
+out of memory (with profiler.memory_history) as one line and exit 1 (said by rank 0 where the ranks agreed on it), a collective
+failed by another rank's end as one line and no error file, a sweep's job failing alone (without
 the frames that hold its run), a sweep under torchrun stopped at once; a failing rank's traceback recorded
 for torchrun's error summary, whole or not at all."""
 
@@ -37,6 +38,8 @@ class WholeErrorFile(ErrorHandler):
     torchrun, failing to parse it, ended instead of restarting the job (--max-restarts)."""
 
     def record_exception(self, e: BaseException) -> None:
+        if peer_ended(e):  # not this rank's failure: torchrun's summary names the rank that ended first
+            return
         file = os.environ.get("TORCHELASTIC_ERROR_FILE")  # where torchrun reads it (torch's _get_error_file_path)
         if not file:
             return super().record_exception(e)
@@ -46,6 +49,18 @@ class WholeErrorFile(ErrorHandler):
         finally:
             os.environ["TORCHELASTIC_ERROR_FILE"] = file
         os.replace(partial, file)
+
+
+# How gloo's sockets fail when the rank at their other end has ended (its process gone, and its sockets with it)
+PEER_ENDED = ("Connection reset by peer", "Connection closed by peer", "Broken pipe")
+
+
+def peer_ended(error: BaseException) -> str | None:
+    """Why a gloo collective failed, where it failed because another rank's process ended; else None."""
+    text = str(error)
+    if isinstance(error, RuntimeError) and "gloo/transport/tcp" in text:
+        return next((reason for reason in PEER_ENDED if reason in text), None)
+    return None
 
 
 # torch's @record: a rank's uncaught exception goes to its error file, and torchrun's summary shows it
@@ -108,6 +123,11 @@ def end_failed_job(error: BaseException, hydra_cfg, cfg, env: DistEnv) -> BaseEx
             # submitit records the job as failed and the sweep learns why; after an exit it finds no
             # result, and without SLURM accounting (sacct) it would wait for one forever
             return error
+        sys.exit(1)
+    if env.launched and (reason := peer_ended(error)):  # the rank that ended says why (torchrun's summary: its root cause)
+        record_failed_job(hydra_cfg, cfg, error)
+        sys.stderr.write(f"error: rank {env.rank}: another rank ended during a collective, so this one stops too "
+                         f"(gloo: {reason}); that rank's own error, or its exit code, says why\n")
         sys.exit(1)
     if isinstance(error, Exception) and in_sweep:
         if env.launched:
