@@ -1,8 +1,8 @@
 """Models. Each is built as `_target_(num_classes=..., in_channels=..., **options)`, its options
 checked against its own signature (ddp.config.builder_options); model.weights_path then loads local
-weights into it (models/weights.py), into its backbone only with model.weights_scope=backbone
-(models/segmentation.py), and the task's trainable heads go around it (Task.with_heads), with the
-heads' weights where the file has them (a task=simclr checkpoint's projector and probe)."""
+weights into it, or into its backbone only with model.weights_scope=backbone (models/weights.py), and
+the task's trainable heads go around it (Task.with_heads), with the heads' weights where the file has
+them (a task=simclr checkpoint's projector and probe)."""
 
 from collections.abc import Callable
 
@@ -18,13 +18,12 @@ def build_model(model_cfg, num_classes: int, in_channels: int, with_heads: Calla
     model = instantiate_checked(builder_options(model_cfg, "model"), "model", num_classes=num_classes, in_channels=in_channels)
     weights_path = model_cfg.get("weights_path")
     if weights_path is not None:
-        from models.segmentation import load_weights_scoped  # imports torchvision: only where weights are loaded
+        from models.weights import load_heads, load_weights_scoped  # safetensors: only where weights are loaded
+
         load_weights_scoped(model, weights_path, num_classes, model_cfg.get("weights_scope", "model"))
     if with_heads is None:
         return model
     trained = with_heads(model)
     if weights_path is not None and trained is not model:
-        from models.weights import load_heads
-
         load_heads(trained, model, weights_path, num_classes)
     return trained

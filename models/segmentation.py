@@ -1,25 +1,18 @@
 """Segmentation models in torchvision's convention: the forward returns a dict with `out`, logits
 N x num_classes x H x W at the input's size, and `aux` where an auxiliary head exists (its loss
 counts at 0.5, tasks/segmentation.py). Randomly initialised: nothing is downloaded. model.weights_path
-loads local weights into the whole model (models/weights.py); load_backbone_weights into its
-`backbone` only, from a classification model's state_dict (e.g. torchvision's resnet50 ImageNet file)."""
-
-import logging
-from pathlib import Path
+loads local weights into the whole model, or with model.weights_scope=backbone into its `backbone` only
+(models/weights.py)."""
 
 import torchvision
 from torch import nn
 from torch.nn import functional as F
 
 from ddp.config.schema import ConfigError
-from models.weights import load_weights, read_state_dict, strip_wrapper_prefixes
 from models.zoo import adapt_stem
-
-log = logging.getLogger(__name__)
 
 TORCHVISION_NAMES = ("fcn_resnet50", "deeplabv3_resnet50", "deeplabv3_mobilenet_v3_large", "lraspp_mobilenet_v3_large")
 NO_AUX_HEAD = ("lraspp_mobilenet_v3_large",)
-WEIGHTS_SCOPES = ("model", "backbone")
 
 
 def build_segmentation_model(num_classes: int, in_channels: int, name: str, aux_loss: bool = True) -> nn.Module:
@@ -65,40 +58,3 @@ class SmallSegNet(nn.Module):
 
 def small_segnet(num_classes: int, in_channels: int, width: int = 16, aux_loss: bool = True) -> SmallSegNet:
     return SmallSegNet(num_classes, in_channels, width, aux_loss)
-
-
-def load_weights_scoped(model: nn.Module, path: str, num_classes: int, scope: str = "model") -> None:
-    """model.weights_path with model.weights_scope: `model` loads a whole segmentation model's state_dict
-    (a head for another number of classes is skipped, as models/weights.py does); `backbone` loads only
-    model.backbone, leaving the heads freshly initialised."""
-    if scope not in WEIGHTS_SCOPES:
-        raise ConfigError(f"model.weights_scope={scope}: unknown, use one of {', '.join(WEIGHTS_SCOPES)}")
-    if scope == "model":
-        load_weights(model, path, num_classes)
-    else:
-        load_backbone_weights(model, path)
-
-
-def load_backbone_weights(model: nn.Module, path: str) -> None:
-    """Into model.backbone (a detector's: its `body`, the trunk its FPN reads; the FPN stays freshly
-    initialised): a classification model's state_dict (its `features.` prefix, as MobileNetV3's,
-    is dropped; its classifier is ignored), a backbone's own, or a whole segmentation model's (`backbone.`
-    keys). Every backbone tensor must be in the file with its shape: otherwise a one-line error."""
-    backbone = getattr(model, "backbone", None)
-    if not isinstance(backbone, nn.Module):
-        raise ConfigError("model.weights_scope=backbone: this model has no `backbone`; use model.weights_scope=model")
-    if isinstance(getattr(backbone, "body", None), nn.Module):  # a detector's: the classification trunk under its FPN
-        backbone = backbone.body
-    state = {strip_wrapper_prefixes(key): value for key, value in read_state_dict(Path(path)).items()}
-    own = backbone.state_dict()
-    candidates = [{key.removeprefix(prefix): value for key, value in state.items() if key.startswith(prefix)}
-                  for prefix in ("", "backbone.", "features.")]
-    found = max(candidates, key=lambda candidate: len(candidate.keys() & own.keys()))
-    missing = sorted(own.keys() - found.keys())
-    reshaped = [f"{key} {list(found[key].shape)} vs {list(own[key].shape)}"
-                for key in sorted(own.keys() & found.keys()) if found[key].shape != own[key].shape]
-    if missing or reshaped:
-        raise ConfigError(f"model.weights_path={path}: does not fit this model's backbone (check model.name and the "
-                          f"data's channels): missing keys {missing[:5]}, different shapes {reshaped[:5]} (first 5 of each)")
-    backbone.load_state_dict({key: found[key] for key in own})
-    log.info("loaded the backbone's weights from %s (%d of its tensors unused: its heads)", path, len(state) - len(own))

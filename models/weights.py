@@ -4,7 +4,8 @@ conversion and wrapping. Nothing is downloaded, and nothing pickled is run.
 A file of a model with task heads (Task.with_heads: a task=simclr checkpoint, keys backbone.*,
 projector.*, probe.*) loads its backbone.* into the model= config's model; where the task took the
 backbone's classifier away (as task=simclr does), the file lacks it and it starts fresh. build_model
-then loads the heads into a task that has them (load_heads)."""
+then loads the heads into a task that has them (load_heads). model.weights_scope=backbone loads only
+the model's `backbone` (a detector's trunk), from a classification model's state_dict."""
 
 import logging
 from pathlib import Path
@@ -21,6 +22,44 @@ log = logging.getLogger(__name__)
 
 # Key prefixes that wrappers add: DDP / DataParallel, and torch.compile.
 WRAPPER_PREFIXES = ("module.", "_orig_mod.")
+WEIGHTS_SCOPES = ("model", "backbone")
+
+
+def load_weights_scoped(model: nn.Module, path: str, num_classes: int, scope: str = "model") -> None:
+    """model.weights_path with model.weights_scope: `model` loads a whole segmentation model's state_dict
+    (a head for another number of classes is skipped, as models/weights.py does); `backbone` loads only
+    model.backbone, leaving the heads freshly initialised."""
+    if scope not in WEIGHTS_SCOPES:
+        raise ConfigError(f"model.weights_scope={scope}: unknown, use one of {', '.join(WEIGHTS_SCOPES)}")
+    if scope == "model":
+        load_weights(model, path, num_classes)
+    else:
+        load_backbone_weights(model, path)
+
+
+def load_backbone_weights(model: nn.Module, path: str) -> None:
+    """Into model.backbone (a detector's: its `body`, the trunk its FPN reads; the FPN stays freshly
+    initialised): a classification model's state_dict (its `features.` prefix, as MobileNetV3's,
+    is dropped; its classifier is ignored), a backbone's own, or a whole segmentation model's (`backbone.`
+    keys). Every backbone tensor must be in the file with its shape: otherwise a one-line error."""
+    backbone = getattr(model, "backbone", None)
+    if not isinstance(backbone, nn.Module):
+        raise ConfigError("model.weights_scope=backbone: this model has no `backbone`; use model.weights_scope=model")
+    if isinstance(getattr(backbone, "body", None), nn.Module):  # a detector's: the classification trunk under its FPN
+        backbone = backbone.body
+    state = {strip_wrapper_prefixes(key): value for key, value in read_state_dict(Path(path)).items()}
+    own = backbone.state_dict()
+    candidates = [{key.removeprefix(prefix): value for key, value in state.items() if key.startswith(prefix)}
+                  for prefix in ("", "backbone.", "features.")]
+    found = max(candidates, key=lambda candidate: len(candidate.keys() & own.keys()))
+    missing = sorted(own.keys() - found.keys())
+    reshaped = [f"{key} {list(found[key].shape)} vs {list(own[key].shape)}"
+                for key in sorted(own.keys() & found.keys()) if found[key].shape != own[key].shape]
+    if missing or reshaped:
+        raise ConfigError(f"model.weights_path={path}: does not fit this model's backbone (check model.name and the "
+                          f"data's channels): missing keys {missing[:5]}, different shapes {reshaped[:5]} (first 5 of each)")
+    backbone.load_state_dict({key: found[key] for key in own})
+    log.info("loaded the backbone's weights from %s (%d of its tensors unused: its heads)", path, len(state) - len(own))
 
 
 def load_weights(model: nn.Module, path: str, num_classes: int) -> None:
