@@ -18,7 +18,7 @@ from typing import Any
 import torch
 
 from ddp.checkpoints import verify as verify_module
-from ddp.checkpoints.verify import VERDICT, Corrupt, verify
+from ddp.checkpoints.verify import VERDICT, Corrupt, verdict_of
 
 log = logging.getLogger(__name__)
 
@@ -170,60 +170,29 @@ def load_checkpoint(path: Path) -> dict[str, Any]:
         if not is_sharded_checkpoint(path):
             raise CheckpointError(f"{path}: incomplete sharded checkpoint (no {SHARDED_INDEX})")
         check_sharded_index(path)
-        verify_checkpoint(path)  # its manifest covers state.pt too
-        return _load_file(path / SHARDED_STATE)
-    if not path.is_file():
+    elif not path.is_file():
         raise CheckpointError(f"{path}: not found")
-    return _load_verified(path)
+    return _load_verified(path, path / SHARDED_STATE if path.is_dir() else path)  # a dir's manifest covers state.pt too
 
 
-def _load_verified(path: Path) -> dict[str, Any]:
-    """A checkpoint file loaded while a process of its own verifies it (verify.py, stdlib alone: it starts in
+def _load_verified(checked: Path, file: Path) -> dict[str, Any]:
+    """`file` loaded while a process of its own verifies `checked` (verify.py, stdlib alone: it starts in
     milliseconds, and shares no GIL with torch.load, which holds it while it reads each record), so that the check
     adds little to the load's time where a core is free (make bench's integrity row). Loading an unchecked file is
     safe (weights_only runs no code); what it loaded is returned only once the check passed, and a corrupt file is
     named corrupt even where torch.load failed on it first."""
-    checker = subprocess.Popen([sys.executable, "-I", verify_module.__file__, VERDICT, str(path)],
+    checker = subprocess.Popen([sys.executable, "-I", verify_module.__file__, VERDICT, str(checked)],
                                stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)
     try:
-        state = _load_file(path)
-    except BaseException:
-        if isinstance(verdict := _verdict_of(checker, path), Corrupt):
-            _judge(path, verdict)  # corrupt, rather than unreadable
-        raise
-    _judge(path, _verdict_of(checker, path))
-    return state
-
-
-def _verdict_of(checker: subprocess.Popen, path: Path) -> bool | Corrupt:
-    """The checker's verdict; where it couldn't give one (no interpreter to start, killed), this process checks."""
-    line = checker.communicate()[0].strip()
-    if checker.returncode == 0 and line in ("good", "unverified"):
-        return line == "good"
-    if checker.returncode == 0 and line.startswith("corrupt "):
-        return Corrupt(line.removeprefix("corrupt "))
-    try:
-        return verify(path)
-    except Corrupt as error:
-        return error
-
-
-def verify_checkpoint(path: Path) -> None:
-    """A CheckpointError naming the file or dir where its bytes changed after the save; a line in the log where it
-    carries no digest to check."""
-    try:
-        verdict = verify(path)
-    except Corrupt as error:
-        verdict = error
-    _judge(path, verdict)
-
-
-def _judge(path: Path, verdict: bool | Corrupt) -> None:
-    if isinstance(verdict, Corrupt):
-        raise CheckpointError(f"{path}: corrupt, {verdict}: its bytes changed after it was saved") from None
+        state = _load_file(file)
+    finally:  # on a failed load too: corrupt is the reason to give
+        verdict = verdict_of(checker, checked)
+        if isinstance(verdict, Corrupt):
+            raise CheckpointError(f"{checked}: corrupt, {verdict}: its bytes changed after it was saved") from None
     if not verdict:
         log.info("%s carries no digest, so it loads unverified (saved with torch's CRCs off, a sharded checkpoint "
-                 "saved before digests, or another format)", path)
+                 "saved before digests, or another format)", checked)
+    return state
 
 
 def _load_file(path: Path) -> dict[str, Any]:

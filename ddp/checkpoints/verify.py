@@ -14,6 +14,7 @@ names each checkpoint as good, corrupt or unverified, and exits 1 if one is corr
 
 import json
 import struct
+import subprocess
 import sys
 import zipfile
 import zlib
@@ -120,6 +121,20 @@ def verify(path: Path) -> bool:
     """A checkpoint file or a sharded checkpoint's dir, verified: True, False where it carries no digest,
     Corrupt where its bytes changed after the save."""
     return verify_sharded(path) if path.is_dir() else verify_file(path)
+
+
+def verdict_of(checker: subprocess.Popen, path: Path) -> bool | Corrupt:
+    """The verdict of `checker` (this file run with VERDICT on `path`); where it gave none (no interpreter to start,
+    killed), this process checks."""
+    line = checker.communicate()[0].strip()
+    if checker.returncode == 0 and line in ("good", "unverified"):
+        return line == "good"
+    if checker.returncode == 0 and line.startswith("corrupt "):
+        return Corrupt(line.removeprefix("corrupt "))
+    try:
+        return verify(path)
+    except Corrupt as error:
+        return error
 
 
 def checkpoints_of(run_dir: Path) -> list[Path]:
