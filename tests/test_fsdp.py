@@ -30,8 +30,7 @@ from conftest import (REPO, TINY, TORCHRUN, as_json, assert_no_process_group_lef
 from ddp.checkpoints.checkpoint import CheckpointError, load_checkpoint, load_latest_checkpoint
 from ddp.checkpoints.export import export_model
 from ddp.checkpoints.sharded_checkpoint import full_model_state
-from ddp.loading.samplers import ShardSampler
-from ddp.training.evaluation import most_val_forwards
+from ddp.loading.samplers import ShardSampler, most_shard_batches
 from models.small_cnn import SmallCNN
 from models.weights import load_weights
 from test_elastic import records
@@ -101,12 +100,12 @@ def test_fsdp_trains_as_ddp_and_one_process_with_the_global_batch(fsdp_run, ddp_
                          [(37, 2, 6, -1), (37, 2, 6, 3), (17, 2, 8, -1), (2, 3, 1, -1), (37, 3, 8, 1)])
 def test_every_rank_knows_how_many_val_forwards_the_busiest_rank_runs(size, world_size, batch_size, limit_batches):
     """Under fsdp a rank with fewer val batches runs forwards that count for nothing up to
-    most_val_forwards, which each rank computes alone: the most batches any rank's val loader yields
+    most_shard_batches, which each rank computes alone: the most batches any rank's val loader yields
     within trainer.limit_val_batches; an empty shard evaluates one zero batch."""
     loaders = [DataLoader(range(size), batch_size=batch_size, sampler=ShardSampler(size, world_size, rank))
                for rank in range(world_size)]
     batches = [len(loader) if limit_batches == -1 else min(len(loader), limit_batches) for loader in loaders]
-    assert most_val_forwards(size, world_size, batch_size, limit_batches) == max(*batches, 1)
+    assert most_shard_batches(size, world_size, batch_size, limit_batches) == max(*batches, 1)
 
 
 def test_sharded_checkpoints_are_step_dirs_with_the_last_kept(fsdp_run):

@@ -21,6 +21,20 @@ def shard_indices(size: int, world_size: int, rank: int) -> range:
     return range(rank, size, world_size)
 
 
+def samples_in_shards(size: int, world_size: int, batch_size: int, limit_batches: int) -> int:
+    """The samples of every rank's shard, each cut at `limit_batches` batches (-1: none): how many exact evaluation evaluates."""
+    shards = [len(shard_indices(size, world_size, rank)) for rank in range(world_size)]
+    return sum(shard if limit_batches == -1 else min(shard, limit_batches * batch_size) for shard in shards)
+
+
+def most_shard_batches(size: int, world_size: int, batch_size: int, limit_batches: int) -> int:
+    """The most batches of any rank's shard of `size` samples (the most forwards a rank runs in exact evaluation):
+    rank 0's, its shard being the largest, cut at `limit_batches` (-1: none); at least 1, as many as an
+    empty shard's one zero batch. A pure function of the sizes, so every rank computes the same."""
+    batches = math.ceil(len(shard_indices(size, world_size, 0)) / batch_size)
+    return batches if limit_batches == -1 else min(batches, limit_batches)
+
+
 class ShardSampler(Sampler[int]):
     """Sequential sampler over `shard_indices`, for exact evaluation."""
 

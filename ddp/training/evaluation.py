@@ -3,7 +3,6 @@ task's sums (tasks/__init__.py), or, for a task that gathers its predictions (de
 rank's per-sample records gathered to rank 0, checked to hold each evaluated sample once, and scored
 there once. Used by training's validation and by mode=eval (evaluate.py)."""
 
-import math
 
 import torch
 import torch.distributed as dist
@@ -12,7 +11,7 @@ from torch import nn
 from ddp.distributed.dtensor import is_sharded
 from ddp.distributed.process_group import all_reduce_sum, broadcast_buffers_from_rank_zero, on_rank_zero
 from ddp.loading.batches import one_sample_batch, to_device
-from ddp.loading.samplers import shard_indices
+from ddp.loading.samplers import most_shard_batches, samples_in_shards
 from ddp.run_context import RunContext
 
 
@@ -40,13 +39,13 @@ def evaluate(model: nn.Module, loader, device: torch.device, limit_batches: int,
         # Every forward of a sharded model is a collective (FSDP gathers each block's parameters), and
         # shards differ by a batch: a rank with fewer runs steps that count for nothing, up to the
         # count every rank knows without asking (a collective here would meet another rank's forward).
-        most = most_val_forwards(len(loader.dataset), dist.get_world_size(), loader.batch_size, limit_batches)
+        most = most_shard_batches(len(loader.dataset), dist.get_world_size(), loader.batch_size, limit_batches)
         for _ in range(most - forwards):
             task.eval_step(model, batch)
     sums = all_reduce_sum(sums)
     if task.gathers_predictions:
         world_size = dist.get_world_size() if dist.is_initialized() else 1
-        evaluated = evaluated_samples(len(loader.dataset), world_size, loader.batch_size, limit_batches)
+        evaluated = samples_in_shards(len(loader.dataset), world_size, loader.batch_size, limit_batches)
         metrics = on_rank_zero(gathered_metrics, records, task, sums, loader.dataset.dataset, evaluated)
     else:
         metrics = task.metrics(sums)
@@ -70,26 +69,13 @@ def gathered_metrics(every_rank_records: list[list[dict]], task, sums: torch.Ten
     return task.metrics(sums, records, dataset)
 
 
-def evaluated_samples(size: int, world_size: int, batch_size: int, limit_batches: int) -> int:
-    """How many samples `evaluate` evaluates over all ranks: every rank's shard, each cut at `limit_batches` batches (-1: none)."""
-    shards = [len(shard_indices(size, world_size, rank)) for rank in range(world_size)]
-    return sum(shard if limit_batches == -1 else min(shard, limit_batches * batch_size) for shard in shards)
-
-
-def most_val_forwards(size: int, world_size: int, batch_size: int, limit_batches: int) -> int:
-    """The most forwards any rank runs in `evaluate` over `size` samples: rank 0's batches, its shard
-    (shard_indices) being the largest, cut at `limit_batches` (-1: none); at least 1, as many as an
-    empty shard's one zero batch. A pure function of the sizes, so every rank computes the same."""
-    batches = math.ceil(len(shard_indices(size, world_size, 0)) / batch_size)
-    return batches if limit_batches == -1 else min(batches, limit_batches)
-
-
 def evaluate_with_ema(model: nn.Module, ema, loader, device: torch.device, limit_batches: int, task) -> dict[str, float]:
     """`evaluate`, and the EMA weights' metrics too (as val_ema_*, without their sample count) when there are any."""
-    metrics = evaluate(model, loader, device, limit_batches, task)
-    if ema is not None:
-        ema_metrics = evaluate(ema.module, loader, device, limit_batches, task)
-        metrics |= {key.replace("val_", "val_ema_", 1): value for key, value in ema_metrics.items() if key != "val_samples"}
+    metrics, weights = {}, {"val_": model} | ({"val_ema_": ema.module} if ema is not None else {})
+    for prefix, module in weights.items():
+        evaluated = evaluate(module, loader, device, limit_batches, task)
+        metrics |= {key.replace("val_", prefix, 1): value for key, value in evaluated.items()
+                    if prefix == "val_" or key != "val_samples"}
     return metrics
 
 
