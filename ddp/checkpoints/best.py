@@ -65,13 +65,13 @@ def check_best_settings(checkpoint_cfg, trainer_cfg, task_cfg, *, run_epochs: in
                         val_split, resumed: tuple | None) -> None:
     """checkpoint.keep_best, best_of, trainer.early_stop_patience and trainer.objective against this run and
     the checkpoint it resumes (`resumed`: path, checkpoint), before anything starts."""
+    if resumed:
+        check_record_fits(resumed[1], ranked_metric(task_cfg.objective, checkpoint_cfg.best_of), task_cfg.direction,
+                          resumed[0])
     check_validations(keep_best=checkpoint_cfg.keep_best, patience=trainer_cfg.early_stop_patience,
                       trainer_objective=trainer_cfg.objective, val_every_n_epochs=trainer_cfg.val_every_n_epochs,
                       run_epochs=run_epochs)
     check_metric_name(task_cfg.objective, "task.objective", task, model, val_split)
-    if resumed:
-        check_record_fits(resumed[1], ranked_metric(task_cfg.objective, checkpoint_cfg.best_of), task_cfg.direction,
-                          resumed[0])
 
 
 def check_record_fits(checkpoint: dict, metric: str, direction: str, source) -> None:

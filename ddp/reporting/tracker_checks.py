@@ -12,7 +12,7 @@ from pathlib import Path
 from omegaconf import DictConfig
 
 from ddp.config.schema import ConfigError
-from ddp.reporting.trackers import TRACKERS, picked, wandb_api_key_set
+from ddp.reporting.trackers import TRACKERS, wandb_api_key_set
 
 # make train installs neither tracker; make install adds one to .venv, pip to an environment of the user's own
 INSTALL = {name: f"make install EXTRAS={name} (or, in an environment of your own: pip install -e '.[{name}]')" for name in TRACKERS}
@@ -21,8 +21,8 @@ WANDB_MODES = ("auto", "online", "offline")
 
 def check_trackers(logger_cfg: DictConfig) -> None:
     """The picked trackers are installed and their settings usable (a server reachable)."""
-    for name in picked(logger_cfg):
-        if name != "tensorboard" and importlib.util.find_spec(name) is None:
+    for name in TRACKERS:  # tensorboard is always installed
+        if logger_cfg.get(name) is not None and importlib.util.find_spec(name) is None:
             raise ConfigError(f"logger={name}: {name} is not installed; install it with: {INSTALL[name]}")
     if logger_cfg.mlflow is not None and logger_cfg.mlflow.tracking_uri:
         check_mlflow_uri(logger_cfg.mlflow.tracking_uri)

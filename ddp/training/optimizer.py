@@ -27,7 +27,8 @@ def optimizer_node(optim_cfg) -> dict:
 def check_optimizer(optim_cfg) -> None:
     """Settings the torch.optim class rejects, as a one-line error now: the real optimizer needs the
     wrapped model, so this builds one on a dummy parameter."""
-    instantiate_checked(optimizer_node(optim_cfg), "optim", params=[torch.zeros(1, requires_grad=True)])
+    options = optimizer_node(optim_cfg)
+    instantiate_checked(options, "optim", params=[torch.zeros(1, requires_grad=True)])
 
 
 def build_optimizer(optim_cfg, params, lr: float) -> torch.optim.Optimizer:
