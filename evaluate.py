@@ -1,13 +1,16 @@
 """mode=eval, the second recipe: `python train.py mode=eval resume=<run dir or checkpoint>` runs
-`evaluate_checkpoint` (train.py's `run` hands over after its startup checks): a checkpoint's exact
+`evaluate_checkpoint` (train.py's `run` hands over once the process is set up): a checkpoint's exact
 metrics on data.split, on any strategy and world size. Training's recipe is train.py."""
 
 import contextlib
 import logging
 from pathlib import Path
 
+import torch
 from omegaconf import DictConfig, OmegaConf, open_dict
 from torch.distributed.elastic.multiprocessing.errors import record
+
+from data import build_datasets
 
 from ddp.checkpoints.checkpoint import CheckpointError
 from ddp.checkpoints.resume import find_resume_checkpoint, load_model_state, state_misfit
@@ -24,19 +27,30 @@ from ddp.training.ema import build_ema
 from ddp.training.evaluation import evaluate_with_ema
 from ddp.training.wrap import wrap_model
 from models import build_model
+from tasks import build_task
 
 log = logging.getLogger("train")  # the run's own console lines, under the script's name
 # The checkpoint use_checkpoint_task read, by (resume, run dir), for evaluate_checkpoint to take: read and verified once
 _read: dict[tuple[str, Path], tuple[Path, dict]] = {}
 
 
+def eval_startup(cfg: DictConfig) -> tuple:
+    """(splits, task): mode=eval's data and task, built as train.py's check_startup builds training's, before any
+    process group; main runs it in a self-launching process too. Nothing trains, so there are no data.views to check:
+    evaluation's samples are one view each."""
+    torch.manual_seed(cfg.seed)  # data and task: identical on every rank (same seed)
+    splits = build_datasets(cfg.data)
+    return splits, build_task(cfg.task, splits.num_classes, splits.class_names, splits.in_channels, views=None)
+
+
 @record
-def evaluate_checkpoint(ctx: RunContext, splits, task) -> dict:
+def evaluate_checkpoint(ctx: RunContext) -> dict:
     """mode=eval: the exact metrics of a checkpoint (and of its EMA weights, if any) on data.split, on
     any strategy and world size; written to run_dir/eval.json. Trains nothing and saves no checkpoint.
-    The model is built as the checkpoint's config says, so model.* needn't be repeated; `task` is the
+    The model is built as the checkpoint's config says, so model.* needn't be repeated; the task is the
     checkpoint's too, unless the command line named one (use_checkpoint_task)."""
     cfg, env, device, run_dir = ctx.cfg, ctx.env, ctx.device, ctx.run_dir
+    splits, task = eval_startup(cfg)
     split = cfg.data.split
     dataset = splits.test if split == "test" else splits.val
     if dataset is None:

@@ -25,9 +25,9 @@ from ddp.checkpoints.checkpointer import Checkpointer
 from ddp.checkpoints.resume import check_resume_fits, find_resume_checkpoint, is_restart, load_resumed_weights, resume_training
 from ddp.config.checks import check_model_accepts, validate
 from ddp.config.schema import MULTI_PROCESS, register_configs
-from ddp.distributed.env import DistEnv, collect_after_imports, process_gpus, restrict_visible_gpus, select_device, set_up_process
+from ddp.distributed.env import DistEnv, collect_after_imports, process_gpus, resolve_backend, restrict_visible_gpus, select_device, set_up_process
 from ddp.distributed.fsdp import check_blocks
-from ddp.distributed.process_group import all_reduce_sum, process_group, releases_process_groups, replicas_identical, resolve_backend
+from ddp.distributed.process_group import all_reduce_sum, process_group, releases_process_groups, replicas_identical
 from ddp.jobs.failures import end_failed_job, record, startup_passed
 from ddp.jobs.housekeeping import Housekeeping
 from ddp.jobs.launch import launch_workers
@@ -50,7 +50,7 @@ from ddp.training.optimizer import build_optimizer, build_scheduler, check_optim
 from ddp.training.progress import Position, TrainingLength
 from ddp.training.update import UpdateStep
 from ddp.training.wrap import prepare_model, seed_this_rank
-from evaluate import evaluate_checkpoint, use_checkpoint_task
+from evaluate import eval_startup, evaluate_checkpoint, use_checkpoint_task
 from models import build_model
 from tasks import build_task
 
@@ -64,12 +64,12 @@ def run(cfg: DictConfig, run_dir: Path, relaunch: str) -> dict:
     restrict_visible_gpus(cfg.devices)  # before the first CUDA call below
     backend = resolve_backend(cfg.backend, torch.cuda.is_available())
     device = select_device(env, backend if cfg.strategy.name in MULTI_PROCESS else None, torch.cuda.device_count())
-    memory_reset = reset_peak_memory(gpus := process_gpus(cfg.strategy.name, device))  # this run's peak (data included), also in a multirun
-    ctx = RunContext(cfg, env, backend, device, gpus, run_dir, relaunch, memory_reset)  # what every stage reads
+    gpus = process_gpus(cfg.strategy.name, device)
     set_up_process(cfg.deterministic, cfg.keep_freed_host_memory)  # cuDNN's algorithms; malloc keeps freed memory
-    splits, task, length, model, resumed = check_startup(cfg, run_dir, world_size=env.world_size, restarted=is_restart(env))
+    ctx = RunContext(cfg, env, backend, device, gpus, run_dir, relaunch, reset_peak_memory(gpus))  # what every stage reads; memory peaks from here
     if cfg.mode == "eval":
-        return evaluate_checkpoint(ctx, splits, task)  # evaluate.py, the recipe of mode=eval
+        return evaluate_checkpoint(ctx)  # evaluate.py, the recipe of mode=eval: its data, task and model
+    splits, task, length, model, resumed = check_startup(cfg, run_dir, world_size=env.world_size, restarted=is_restart(env))
     start_worker_server(splits.train, cfg.data.num_workers)  # for DataLoader workers, while the rank sets up (loading/loader_workers.py)
     with process_group(backend, env, device, cfg.strategy.timeout_s) if ctx.distributed else contextlib.nullcontext():
         with cuda_memory_history(ctx):  # profiler.memory_history: allocations recorded, a snapshot on out-of-memory
@@ -77,24 +77,22 @@ def run(cfg: DictConfig, run_dir: Path, relaunch: str) -> dict:
 
 
 def check_startup(cfg: DictConfig, run_dir: Path, *, world_size: int, restarted: bool) -> tuple:
-    """Checks that need the data and model (one-line ConfigErrors), before any process group; main runs them in a self-launching
-    process too, so no worker starts for a refused config. Returns (splits, task, length, model, resumed): the last 3 None in eval."""
+    """Training's checks that need the data and model (one-line ConfigErrors), before any process group; main runs them in a
+    self-launching process too, so no worker starts for a refused config. Returns (splits, task, length, model, resumed)."""
     torch.manual_seed(cfg.seed)  # data, task and model: identical on every rank (same seed)
     splits = build_datasets(cfg.data)
-    if cfg.mode == "eval":  # nothing trains, so no data.views to check: evaluation's samples are one view each
-        return splits, build_task(cfg.task, splits.num_classes, splits.class_names, splits.in_channels, views=None), None, None, None
-    check_trackers(cfg.logger)  # logger=mlflow, wandb: installed, their settings usable
     task = build_task(cfg.task, splits.num_classes, splits.class_names, splits.in_channels, cfg.data.get("views", 1))
+    check_trackers(cfg.logger)  # logger=mlflow, wandb: installed, their settings usable
     length = TrainingLength.of(cfg.trainer, len(splits.train), cfg.data.batch_size, world_size)
     check_schedule(cfg.scheduler, length.total_updates, length.updates_per_epoch)
+    check_optimizer(cfg.optim)  # on a dummy parameter: the real optimizer needs the wrapped model
     model = build_model(cfg.model, splits.num_classes, splits.in_channels, with_heads=task.with_heads)
     check_model_accepts(model, sample_image(splits.val[0]))
     check_blocks(model, cfg.strategy, cfg.activation_checkpointing)
-    check_optimizer(cfg.optim)  # the real optimizer needs the wrapped model
     resumed = find_resume_checkpoint(cfg.resume, run_dir, restarted)
     if resumed:  # weights load before wrapping, so DDP starts every rank from them
-        load_resumed_weights(model, resumed, cfg.strategy.name)
-        check_resume_fits(resumed[1], resumed[0], cfg, world_size, len(splits.train))
+        check_resume_fits(resumed[1], resumed[0], cfg, world_size, length.train_size)
+        load_resumed_weights(model, resumed)
         check_frozen_fits(task, resumed[1], resumed[0])
     check_best_settings(cfg.checkpoint, cfg.trainer, cfg.task, run_epochs=length.epochs, task=task, model=model,
                         val_split=splits.val, resumed=resumed)
@@ -116,28 +114,27 @@ def fit(ctx: RunContext, splits, task, length: TrainingLength, model, resumed) -
     update = UpdateStep(model, optimizer, task=task, precision=cfg.precision, scheduler=scheduler, clip_norm=cfg.trainer.gradient_clip_norm,
                         ema=ema, placement=BatchPlacement(cfg.channels_last, train_loader.dataset.image_normalization))
     seed_this_rank(model, cfg.seed + env.rank)  # per-rank randomness (dropout) from here on
-    position, rank_state = resume_training(resumed, update, lr, length.total_updates, cfg.data.batch_size, env.world_size,
-                                           env.rank, len(splits.train)) if resumed else (Position(), None)  # this run's LR, length
+    position, rank_state = (resume_training(resumed, update, lr, length, cfg.data.batch_size, env.world_size, env.rank)
+                            if resumed else (Position(), None))  # at this run's LR and length
     position.epoch_totals = position.epoch_totals.to(device)
     best = BestTracker.of(cfg.checkpoint, cfg.trainer, cfg.task, resumed[1] if resumed else None)  # a resume's record goes on
     validator = Validator(ctx, model, raw_model, ema, val_loader, task)
     baselines = validator.validate_baselines()  # e.g. the teacher's val metrics: what the model is chasing
-    checkpointer = Checkpointer(ctx, update, raw_model, samples_per_batch=length.samples_per_batch,
-                                train_size=len(splits.train), saved_step=position.global_step if resumed else -1, best=best)
+    checkpointer = Checkpointer(ctx, update, raw_model, length=length, saved_step=position.global_step if resumed else -1, best=best)
     monitor = RunMonitor(ctx, trained, length, start_step=position.global_step, resumed=bool(resumed))
     monitor.mark_phases(update, validator, checkpointer)  # profiler.enabled only: phases named in the trace
     slow_down(trained, cfg.fault, env.rank)  # testing aid; after the monitor's compute timer hooks in, so it counts it
     recorder = SampleRecorder(cfg.fault.record_samples_dir, env.rank, cfg.data.batch_size) if cfg.fault.record_samples_dir else None
     house = Housekeeping(StopOnSignal.of(cfg.trainer, env, device, ctx.relaunch), monitor, checkpointer, validator, best, recorder)
     with house.stopper, monitor:  # from here SIGTERM and Ctrl-C stop the run at a step, with a checkpoint
-        log_setup(cfg, env.world_size, device, length, lr, len(splits.train), len(splits.val), baselines)
+        log_setup(cfg, env.world_size, device, length, lr, len(splits.val), baselines)
         started = time.perf_counter()
         metrics = train(ctx, update, train_loader, position, rank_state, length, house)
         wall_s = time.perf_counter() - started
         checkpointer.save_if_unsaved(position)  # save (and wait for it: checkpoint.async_save) and summarise (rank 0)
         log_hparams(monitor.writer, cfg, length, lr, env.world_size, metrics, position.global_step)
         performance = monitor.performance(wall_s, update.state_bytes(), position.global_step) | {"checkpoint_blocked_s": checkpointer.blocked_s}
-    results = training_results(ctx, metrics | baselines, best.results(), position, length, lr, len(splits.train), performance)
+    results = training_results(ctx, metrics | baselines, best.results(), position, length, lr, performance)
     results |= {"replicas_identical": replicas_identical(raw_model, include_buffers=True),
                 "bad_samples_skipped": report_skipped_samples(splits, device)}  # data.on_bad_sample=skip
     write_results(results, ctx.run_dir, env)
@@ -151,7 +148,7 @@ def train(ctx: RunContext, update: UpdateStep, train_loader, position: Position,
     stopper, monitor, checkpointer, validator, best = house.stopper, house.monitor, house.checkpointer, house.validator, house.best
     while position.epoch < trainer.max_epochs and position.global_step < length.max_steps and not best.stop:
         epoch_started = time.perf_counter()
-        start_epoch(train_loader, position.epoch, position.samples_in_epoch(length.samples_per_batch, len(train_loader.dataset)))
+        start_epoch(train_loader, position.epoch, position.samples_in_epoch(length.samples_per_batch, length.train_size))
         epoch_batches = min(position.batch_in_epoch + len(train_loader), length.batches_per_epoch)
         restore = functools.partial(checkpointer.restore_rank_state, rank_state) if rank_state else None
         batches, rank_state = iterate_from(train_loader, position.batch_in_epoch, epoch_batches, restore), None
@@ -235,7 +232,10 @@ def main(cfg: DictConfig) -> float:
         use_checkpoint_task(cfg, run_dir, list(hydra_cfg.overrides.task))  # mode=eval: the checkpoint's task, as its model
         if cfg.strategy.name in MULTI_PROCESS and not env.launched and (nproc := cfg.strategy.nproc_per_node) > 0:
             validate(cfg, launched=True, world_size=nproc)  # fail here, not in N workers
-            check_startup(cfg, run_dir, world_size=nproc, restarted=False)
+            if cfg.mode == "eval":
+                eval_startup(cfg)
+            else:
+                check_startup(cfg, run_dir, world_size=nproc, restarted=False)
             results = launch_workers(run, cfg, run_dir, relaunch, hydra_cfg.job.name, nproc, cfg.strategy.max_restarts)
         else:
             results = run(cfg, run_dir, relaunch)

@@ -143,7 +143,8 @@ def _truncated_sharded_checkpoint(tmp: Path) -> Path:
 
 
 def _sharded_checkpoint_of_another_width(tmp: Path) -> Path:
-    """A real DCP index and shards (written by DCP in this one process) of small_cnn at channels [8, 16]."""
+    """A real DCP index and shards (written by DCP in this one process) of small_cnn at channels [8, 16], and rank 0's
+    state as a run of QUICK's settings saves it at an epoch's end."""
     import torch.distributed.checkpoint as dcp
 
     from models.small_cnn import SmallCNN
@@ -152,7 +153,8 @@ def _sharded_checkpoint_of_another_width(tmp: Path) -> Path:
     with warnings.catch_warnings():  # no_dist=True is the intent, which DCP warns it assumes
         warnings.filterwarnings("ignore", message="torch.distributed is disabled, unavailable or uninitialized")
         dcp.save({"model": SmallCNN(10, 3, [8, 16]).state_dict()}, checkpoint_id=path, no_dist=True)
-    torch.save({"sharded": True, "global_step": 1}, path / "state.pt")
+    torch.save({"sharded": True, "global_step": 1, "samples_in_epoch": 0, "batch_in_epoch": 0, "world_size": 2,
+                "config": {"data": {"batch_size": 16}}}, path / "state.pt")
     return path
 
 

@@ -17,7 +17,7 @@ from ddp.distributed.dtensor import is_sharded
 from ddp.run_context import RunContext
 from ddp.training.faults import FaultPlan, save_delay_s
 from ddp.training.frozen import check_frozen_unchanged, frozen_fingerprints
-from ddp.training.progress import Position
+from ddp.training.progress import Position, TrainingLength
 
 log = logging.getLogger(__name__)
 
@@ -36,13 +36,13 @@ class Checkpointer:
     failure (a full disk), as after a save here. Sharded checkpoints are written over a gloo process group of
     their own: on the training's, a save's collectives would meet the training's (and abort the job)."""
 
-    def __init__(self, ctx: RunContext, update, raw_model: nn.Module, *, samples_per_batch: int, train_size: int,
+    def __init__(self, ctx: RunContext, update, raw_model: nn.Module, *, length: TrainingLength,
                  saved_step: int, best: BestTracker):
         self.run_dir, self.env = ctx.run_dir, ctx.env
         self.every_n_steps, self.keep_last = ctx.cfg.checkpoint.every_n_steps, ctx.cfg.checkpoint.keep_last
         self.update, self.raw_model, self.optimizer = update, raw_model, update.optimizer
         self.cuda_devices = ctx.gpus
-        self.samples_per_batch, self.train_size = samples_per_batch, train_size
+        self.length = length
         self.config = OmegaConf.to_container(ctx.cfg, resolve=True)  # the run's resolved config, as plain containers
         self.frozen = frozen_fingerprints(update.task)  # a resume must use the same frozen modules (a teacher)
         self.saved_step = saved_step  # -1: nothing saved by this run or the one it resumes
@@ -169,7 +169,7 @@ class Checkpointer:
         """What rank 0 saves; a sharded checkpoint's model and optimizer states are in its shards. With async_save, a
         copy: training goes on changing the tensors while the background thread writes it."""
         state = checkpoint_state(None if sharded else self.raw_model, self.optimizer, self.update.state_dict(), position,
-                                 position.samples_in_epoch(self.samples_per_batch, self.train_size), rank_states, self.config,
+                                 position.samples_in_epoch(self.length.samples_per_batch, self.length.train_size), rank_states, self.config,
                                  copy=self.in_background)
         return state | {"best": self.best.state_dict(), "frozen": self.frozen}
 

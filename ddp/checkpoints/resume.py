@@ -13,7 +13,7 @@ from torch import nn
 from ddp.checkpoints.checkpoint import CheckpointError, is_sharded_checkpoint, load_checkpoint, load_latest_checkpoint, sharded_model_shapes
 from ddp.config.schema import SHARDED, ConfigError
 from ddp.loading.samplers import resume_point
-from ddp.training.progress import Position
+from ddp.training.progress import Position, TrainingLength
 from ddp.training.optimizer import resume_schedule
 
 log = logging.getLogger(__name__)
@@ -79,8 +79,8 @@ def resume_position(path: Path, checkpoint: dict[str, Any], batch_size: int, wor
     return position, rank_state
 
 
-def resume_training(resumed: tuple[Path, dict[str, Any]], update, base_lr: float, total_updates: int, batch_size: int,
-                    world_size: int, rank: int, train_size: int) -> tuple[Position, dict[str, Any] | None]:
+def resume_training(resumed: tuple[Path, dict[str, Any]], update, base_lr: float, length: TrainingLength, batch_size: int,
+                    world_size: int, rank: int) -> tuple[Position, dict[str, Any] | None]:
     """Load the optimizer, scheduler, GradScaler and EMA states of the checkpoint `resumed` (path, checkpoint)
     into `update` (an UpdateStep), to go on at this run's base LR and length; returns `resume_position`'s.
     A sharded checkpoint's model and optimizer states load here, into the sharded model (update.model)."""
@@ -92,8 +92,8 @@ def resume_training(resumed: tuple[Path, dict[str, Any]], update, base_lr: float
     else:
         update.optimizer.load_state_dict(checkpoint["optimizer"])
     update.load_state_dict(checkpoint)
-    resume_schedule(update.optimizer, update.scheduler, base_lr, total_updates, is_main=rank == 0)
-    return resume_position(path, checkpoint, batch_size, world_size, rank, train_size)
+    resume_schedule(update.optimizer, update.scheduler, base_lr, length.total_updates, is_main=rank == 0)
+    return resume_position(path, checkpoint, batch_size, world_size, rank, length.train_size)
 
 
 def is_restart(env) -> bool:
@@ -127,20 +127,15 @@ def find_resume_checkpoint(resume: str | None, run_dir: Path, restarted: bool) -
         raise ConfigError(f"resume={resume}: {error}") from None
 
 
-def load_resumed_weights(model: nn.Module, resumed: tuple[Path, dict[str, Any]], strategy: str) -> None:
-    """The checkpoint's weights into the bare `model`. strategy=fsdp and hsdp resume from sharded checkpoints
-    (dirs), whose shards load into the sharded model (resume_training): here only the shapes in their
-    DCP index are checked, so a misfit is refused before any process group; the others from checkpoint files."""
+def load_resumed_weights(model: nn.Module, resumed: tuple[Path, dict[str, Any]]) -> None:
+    """The checkpoint's weights into the bare `model`, once check_resume_fits passed. A sharded checkpoint's
+    (a dir's: strategy=fsdp, hsdp) shards load into the sharded model (resume_training): here only the shapes in
+    its DCP index are checked, so a misfit is refused before any process group."""
     path, checkpoint = resumed
-    if bool(checkpoint.get("sharded")) != (strategy in SHARDED):
-        kind = "a sharded checkpoint (strategy=fsdp's or hsdp's)" if checkpoint.get("sharded") else "a checkpoint file"
-        raise ConfigError(f"resume: {path} is {kind}, which strategy={strategy} doesn't resume from yet; resume it with "
-                          f"strategy={'fsdp or hsdp' if checkpoint.get('sharded') else 'single, dp or ddp'}, or start from "
-                          "its weights with model.weights_path")
-    if checkpoint.get("sharded"):
-        check_state_fits(model, sharded_model_shapes(path), path)
-    else:
+    if not checkpoint.get("sharded"):
         load_model_state(model, checkpoint["model"], path)
+    else:
+        check_state_fits(model, sharded_model_shapes(path), path)
 
 
 def load_model_state(model: nn.Module, state_dict: dict[str, torch.Tensor], source: Path) -> None:
@@ -186,7 +181,14 @@ def check_update_state_fits(checkpoint: dict[str, Any], source: Path, cfg) -> No
 
 
 def check_resume_fits(checkpoint: dict[str, Any], source: Path, cfg, world_size: int, train_size: int) -> None:
-    """What this run keeps of the update (check_update_state_fits) and the epoch's sample order (check_sample_order_fits) fit the checkpoint's."""
+    """The checkpoint is of a kind the strategy resumes from (a file, or a sharded one's dir), and what this run keeps of the
+    update (check_update_state_fits) and the epoch's sample order (check_sample_order_fits) fit it."""
+    strategy, sharded = cfg.strategy.name, bool(checkpoint.get("sharded"))
+    if sharded != (strategy in SHARDED):
+        kind = "a sharded checkpoint (strategy=fsdp's or hsdp's)" if sharded else "a checkpoint file"
+        raise ConfigError(f"resume: {source} is {kind}, which strategy={strategy} doesn't resume from yet; resume it with "
+                          f"strategy={'fsdp or hsdp' if sharded else 'single, dp or ddp'}, or start from its weights with "
+                          "model.weights_path")
     check_update_state_fits(checkpoint, source, cfg)
     check_sample_order_fits(checkpoint, source, cfg.data, world_size, train_size)
 

@@ -89,6 +89,15 @@ def restrict_visible_gpus(devices: list[int] | None) -> None:
     os.environ["CUDA_VISIBLE_DEVICES"] = visible
 
 
+def resolve_backend(backend: str, cuda_available: bool) -> str:
+    """`auto` is nccl on CUDA and gloo otherwise; nccl without GPUs fails here, not inside torch."""
+    if backend == "auto":
+        return "nccl" if cuda_available else "gloo"
+    if backend == "nccl" and not cuda_available:
+        raise ConfigError("backend=nccl needs CUDA GPUs and none are visible: use backend=gloo or backend=auto")
+    return backend
+
+
 def select_device(env: DistEnv, backend: str | None, visible_gpus: int) -> torch.device:
     """The device this process trains on; everything moves there with .to(device).
 

@@ -13,20 +13,10 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from ddp.config.schema import ConfigError
 from ddp.distributed.dtensor import local_tensor
 from ddp.distributed.env import DistEnv
 
 log = logging.getLogger(__name__)
-
-
-def resolve_backend(backend: str, cuda_available: bool) -> str:
-    """`auto` is nccl on CUDA and gloo otherwise; nccl without GPUs fails here, not inside torch."""
-    if backend == "auto":
-        return "nccl" if cuda_available else "gloo"
-    if backend == "nccl" and not cuda_available:
-        raise ConfigError("backend=nccl needs CUDA GPUs and none are visible: use backend=gloo or backend=auto")
-    return backend
 
 
 _store: dist.Store | None = None

@@ -47,14 +47,14 @@ def build_train_loader(dataset: Dataset, data_cfg, env: DistEnv, seed: int, pin_
 def build_val_loader(dataset: Dataset, data_cfg, env: DistEnv, pin_memory: bool) -> DataLoader:
     """Exact shards; should a split's loading draw random numbers, the same draws at every validation,
     rank, world size and run seed."""
-    dataset = SeededSamples(dataset, seed=0)
+    samples = SeededSamples(dataset, seed=0)
     return WorkerSafeDataLoader(
-        dataset,
+        samples,
         batch_size=getattr(data_cfg, "val_batch_size", None) or data_cfg.batch_size,  # data=voc: 1 (ddp/config/schema.py)
-        sampler=ShardSampler(len(dataset), env.world_size, env.rank),
+        sampler=ShardSampler(len(samples), env.world_size, env.rank),
         num_workers=data_cfg.num_workers,
         pin_memory=pin_memory,
-        collate_fn=dataset.collate_fn or collate,
+        collate_fn=samples.collate_fn or collate,
         persistent_workers=data_cfg.num_workers > 0,
         generator=torch.Generator(),
     )

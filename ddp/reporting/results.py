@@ -15,18 +15,18 @@ log = logging.getLogger("train")  # the run's own console lines, under the scrip
 
 
 def training_results(ctx: RunContext, metrics: dict[str, float], best_results: dict, position: Position, length, lr: float,
-                     train_size: int, performance: dict) -> dict:
+                     performance: dict) -> dict:
     """results.json: the final metrics, the best validation's (BestTracker.results: best_step, best_<metric>,
     stopped_early), how far the run got, its settings, and `performance` (RunMonitor's); train.py adds
     the end-of-run checks after them."""
     cfg, world_size = ctx.cfg, ctx.env.world_size
-    epoch_samples = min(length.samples_per_batch * length.batches_per_epoch, train_size)
+    epoch_samples = min(length.samples_per_batch * length.batches_per_epoch, length.train_size)
     return {
         **metrics,
         **best_results,
         "steps": position.global_step,
         "epochs": position.epoch,  # completed
-        "epoch_progress": position.epoch + position.samples_in_epoch(length.samples_per_batch, train_size) / epoch_samples,
+        "epoch_progress": position.epoch + position.samples_in_epoch(length.samples_per_batch, length.train_size) / epoch_samples,
         "world_size": world_size,
         "strategy": cfg.strategy.name,
         "batch_size": cfg.data.batch_size,
@@ -38,12 +38,12 @@ def training_results(ctx: RunContext, metrics: dict[str, float], best_results: d
     }
 
 
-def log_setup(cfg: DictConfig, world_size: int, device, length, lr: float, train_size: int, val_size: int,
+def log_setup(cfg: DictConfig, world_size: int, device, length, lr: float, val_size: int,
               baselines: dict[str, float]) -> None:
     """The run's settings, and its task's baselines' metrics (Task.baselines: a teacher's), if any."""
     log.info("strategy=%s world_size=%d device=%s batch_size=%d accumulate=%d global_batch=%d lr=%g precision=%s train=%d "
              "val=%d samples", cfg.strategy.name, world_size, device, cfg.data.batch_size, length.accumulate,
-             length.global_batch, lr, cfg.precision, train_size, val_size)
+             length.global_batch, lr, cfg.precision, length.train_size, val_size)
     if baselines:
         log.info("baselines: %s", " ".join(f"{key}={value:.4f}" for key, value in baselines.items()))
 

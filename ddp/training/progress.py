@@ -20,6 +20,7 @@ class TrainingLength:
     max_steps: float  # trainer.max_steps, or inf
     global_batch: int  # samples per update over all ranks
     samples_per_batch: int  # samples of one micro-batch over all ranks: batch_size x world_size
+    train_size: int  # the training split's samples (an epoch's, over all ranks)
 
     @property
     def epochs(self) -> int:
@@ -40,7 +41,7 @@ class TrainingLength:
             total = min(total, trainer_cfg.max_steps)
         max_steps = trainer_cfg.max_steps if trainer_cfg.max_steps != -1 else math.inf
         return cls(batches, accumulate, updates_per_epoch, total, max_steps, batch_size * world_size * accumulate,
-                   batch_size * world_size)
+                   batch_size * world_size, train_size)
 
 
 @dataclass
