@@ -175,8 +175,14 @@ def load_checkpoint(path: Path) -> dict[str, Any]:
     return _load_verified(path, path / SHARDED_STATE if path.is_dir() else path)  # a dir's manifest covers state.pt too
 
 
-def _load_verified(checked: Path, file: Path) -> dict[str, Any]:
-    """`file` loaded while a process of its own verifies `checked` (verify.py, stdlib alone: it starts in
+def verify_sharded_checkpoint(path: Path) -> None:
+    """A sharded checkpoint's index checked and its files verified, none of them loaded: for a reader of its shards."""
+    check_sharded_index(path)
+    _load_verified(path, None)
+
+
+def _load_verified(checked: Path, file: Path | None) -> dict[str, Any] | None:
+    """`file` (None: nothing) loaded while a process of its own verifies `checked` (verify.py, stdlib alone: it starts in
     milliseconds, and shares no GIL with torch.load, which holds it while it reads each record), so that the check
     adds little to the load's time where a core is free (make bench's integrity row). Loading an unchecked file is
     safe (weights_only runs no code); what it loaded is returned only once the check passed, and a corrupt file is
@@ -184,7 +190,7 @@ def _load_verified(checked: Path, file: Path) -> dict[str, Any]:
     checker = subprocess.Popen([sys.executable, "-I", verify_module.__file__, VERDICT, str(checked)],
                                stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)
     try:
-        state = _load_file(file)
+        state = _load_file(file) if file is not None else None
     finally:  # on a failed load too: corrupt is the reason to give
         verdict = verdict_of(checker, checked)
         if isinstance(verdict, Corrupt):

@@ -32,7 +32,7 @@ from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 
 from ddp.checkpoints.checkpoint import (SHARDED_STATE, CheckpointError, DiskFull, checkpoint_dir, disk_full, fsync_dir,
-                                        load_checkpoint, no_space_left, save_checkpoint)
+                                        no_space_left, save_checkpoint, verify_sharded_checkpoint)
 from ddp.checkpoints.verify import digests_of, write_digests
 from ddp.distributed.process_group import broadcast_buffers_from_rank_zero
 
@@ -142,7 +142,7 @@ def full_model_state(path: Path) -> dict[str, torch.Tensor]:
     """The sharded checkpoint's model as one plain state_dict of full tensors, read in this process
     alone (no process group, any world size and strategy): DCP fills tensors of the saved full shapes
     from every rank's shards. Buffers are rank 0's (save_sharded_checkpoint saves those)."""
-    load_checkpoint(path)  # its index checked, its files verified
+    verify_sharded_checkpoint(path)
     try:
         metadata = FileSystemReader(path).read_metadata()
         state = {key.removeprefix("model."): torch.empty(entry.size, dtype=entry.properties.dtype)

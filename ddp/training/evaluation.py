@@ -71,11 +71,10 @@ def gathered_metrics(every_rank_records: list[list[dict]], task, sums: torch.Ten
 
 def evaluate_with_ema(model: nn.Module, ema, loader, device: torch.device, limit_batches: int, task) -> dict[str, float]:
     """`evaluate`, and the EMA weights' metrics too (as val_ema_*, without their sample count) when there are any."""
-    metrics, weights = {}, {"val_": model} | ({"val_ema_": ema.module} if ema is not None else {})
-    for prefix, module in weights.items():
-        evaluated = evaluate(module, loader, device, limit_batches, task)
-        metrics |= {key.replace("val_", prefix, 1): value for key, value in evaluated.items()
-                    if prefix == "val_" or key != "val_samples"}
+    metrics = evaluate(model, loader, device, limit_batches, task)
+    if ema is not None:
+        ema_metrics = evaluate(ema.module, loader, device, limit_batches, task)
+        metrics |= {key.replace("val_", "val_ema_", 1): value for key, value in ema_metrics.items() if key != "val_samples"}
     return metrics
 
 
